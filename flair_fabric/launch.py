@@ -1,0 +1,203 @@
+"""Turn Lightning's five arguments into a checked :class:`~lightning.fabric.Fabric` and start the processes.
+
+Every argument is checked here, once, before any process starts; each error names the argument and the fix.
+Processes are started by Fabric's own launchers: the script relaunch for ``strategy="ddp"`` in a script, nothing
+at all when the script was already started by ``torchrun`` (Fabric's cluster environments detect it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.fabric import Fabric
+from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.strategies import Strategy
+
+from flair_fabric.strategies import FlairDDPStrategy
+
+log = logging.getLogger("flair")
+
+DevicesArgument = int | str | Sequence[int]
+StrategyArgument = str | Strategy
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+STRATEGIES = ("auto", "ddp")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+_GPU_ONLY_PRECISIONS = ("16-mixed", "16-true")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """The checked, resolved form of Lightning's five arguments."""
+
+    accelerator: str
+    devices: int | list[int]
+    num_nodes: int
+    strategy: StrategyArgument
+    precision: str
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes the run will use across all nodes."""
+        count = self.devices if isinstance(self.devices, int) else len(self.devices)
+        return count * self.num_nodes
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """Return the concrete accelerator (``cpu``, ``cuda`` or ``mps``) that ``accelerator`` means on this machine."""
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {', '.join(ACCELERATORS)}.")
+    if accelerator == "auto":
+        if CUDAAccelerator.is_available():
+            return "cuda"
+        return "mps" if MPSAccelerator.is_available() else "cpu"
+    if accelerator == "gpu":
+        return "cuda" if CUDAAccelerator.is_available() or not MPSAccelerator.is_available() else "mps"
+    return accelerator
+
+
+def available_device_count(accelerator: str) -> int | None:
+    """Devices of this kind on the machine; ``None`` for CPU, where ``devices`` counts processes, not chips."""
+    if accelerator == "cuda":
+        return CUDAAccelerator.auto_device_count() if CUDAAccelerator.is_available() else 0
+    if accelerator == "mps":
+        return 1 if MPSAccelerator.is_available() else 0
+    return None
+
+
+def resolve_devices(devices: DevicesArgument, accelerator: str) -> int | list[int]:
+    """Check ``devices`` and turn it into a count or a list of device indices."""
+    available = available_device_count(accelerator)
+    if devices == "auto":
+        if TorchElasticEnvironment.detect():
+            return int(os.environ["LOCAL_WORLD_SIZE"])
+        return 1 if available is None else max(available, 1)
+    if isinstance(devices, str):
+        devices = _parse_devices_string(devices)
+    if isinstance(devices, bool):
+        raise ValueError(f"devices={devices!r} is not valid: pass a positive int, -1, 'auto' or a list of indices.")
+    if isinstance(devices, int):
+        if devices == -1:
+            return 1 if available is None else max(available, 1)
+        if devices < 1:
+            raise ValueError(
+                f"devices={devices} is not valid: pass a positive number of devices, -1 for all, or 'auto'."
+            )
+        count = devices
+    else:
+        indices = list(devices)
+        if not indices or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices):
+            raise ValueError(f"devices={devices!r} is not valid: a list of devices must hold non-negative indices.")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"devices={devices!r} names a device twice: list each index once.")
+        if available is not None and max(indices) >= available:
+            raise ValueError(
+                f"devices={indices} asks for {accelerator} device {max(indices)}, but this machine has {available}"
+                f" {accelerator} device(s): use indices below {available}."
+            )
+        count = len(indices)
+    if available is not None and count > available:
+        raise ValueError(
+            f"devices={count} asks for more {accelerator} devices than this machine has ({available}):"
+            f" pass devices={available} or fewer, or accelerator='cpu'."
+        )
+    if available is None and isinstance(devices, int) and count > (os.cpu_count() or 1):
+        log.warning(f"devices={count} starts more CPU processes than this machine has cores ({os.cpu_count()}).")
+    return devices if isinstance(devices, int) else list(devices)
+
+
+def _parse_devices_string(devices: str) -> int | list[int]:
+    text = devices.strip()
+    try:
+        if "," in text:
+            return [int(part) for part in text.split(",") if part.strip()]
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"devices={devices!r} is not valid: pass a positive int, -1, 'auto' or a list of indices such as [0, 1]."
+        ) from None
+
+
+def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: str) -> str:
+    """Map flair's ``use_amp`` and Lightning's ``precision`` to one Fabric precision string."""
+    if use_amp and precision is not None:
+        raise ValueError(
+            f"use_amp=True and precision={precision!r} were both given: pass only precision= (use_amp is flair's"
+            " older switch for mixed precision)."
+        )
+    if use_amp:
+        precision = "16-mixed" if accelerator == "cuda" else "bf16-mixed"
+        log.info(f"use_amp=True: training with Fabric precision '{precision}' on {accelerator}.")
+    if precision is None:
+        return "32-true"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; choose one of {', '.join(PRECISIONS)}.")
+    assert isinstance(precision, str)
+    if precision in _GPU_ONLY_PRECISIONS and accelerator != "cuda":
+        raise ValueError(
+            f"precision={precision!r} needs a CUDA GPU; on {accelerator} use precision='bf16-mixed' instead."
+        )
+    return precision
+
+
+def resolve_strategy(strategy: StrategyArgument, world_size: int) -> StrategyArgument:
+    """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``."""
+    if isinstance(strategy, Strategy):
+        if not isinstance(strategy, FlairDDPStrategy):
+            raise ValueError(
+                f"strategy={type(strategy).__name__}(...) is not supported; pass one of {', '.join(STRATEGIES)}"
+                " or a FlairDDPStrategy(...) object for DDP options."
+            )
+        return strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
+    if strategy == "auto" and world_size == 1 and not _launched_externally():
+        return "auto"
+    return FlairDDPStrategy()
+
+
+def _launched_externally() -> bool:
+    """True when torchrun (or another launcher that sets ``LOCAL_RANK``) already started this process."""
+    return TorchElasticEnvironment.detect() or "LOCAL_RANK" in os.environ
+
+
+def check_num_nodes(num_nodes: Any) -> int:
+    """Check ``num_nodes``: a positive int."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} is not valid: pass the number of machines, a positive int.")
+    return num_nodes
+
+
+def make_launch_config(
+    *,
+    accelerator: str,
+    devices: DevicesArgument,
+    num_nodes: int,
+    strategy: StrategyArgument,
+    precision: str | int | None,
+    use_amp: bool,
+) -> LaunchConfig:
+    """Check and resolve Lightning's five arguments (plus flair's ``use_amp``) without starting anything."""
+    concrete_accelerator = resolve_accelerator(accelerator)
+    resolved_devices = resolve_devices(devices, concrete_accelerator)
+    nodes = check_num_nodes(num_nodes)
+    resolved_precision = resolve_precision(precision, use_amp, concrete_accelerator)
+    count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
+    resolved_strategy = resolve_strategy(strategy, count * nodes)
+    return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision)
+
+
+def build_fabric(config: LaunchConfig) -> Fabric:
+    """Create the Fabric for ``config``; processes start only when :meth:`Fabric.launch` is called."""
+    return Fabric(
+        accelerator=config.accelerator,
+        devices=config.devices,
+        num_nodes=config.num_nodes,
+        strategy=config.strategy,
+        precision=config.precision,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,52 @@
+"""Train loss and throughput across ranks, kept on the device until someone reads them.
+
+flair's losses are sums over data points. Each rank keeps the sum of its losses as a device tensor and the number
+of data points as an int; one all-reduce at a log point or at the end of an epoch turns them into the
+sample-weighted global mean, the same number on every rank. Nothing here synchronises inside the training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+from lightning.fabric import Fabric
+
+
+def _accumulator_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@dataclass(frozen=True)
+class GlobalLoss:
+    """The all-reduced state of a :class:`LossTracker`."""
+
+    mean: float
+    data_points: int
+
+
+class LossTracker:
+    """Sum of losses (device tensor) and count of data points on this rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss_sum = torch.zeros((), dtype=_accumulator_dtype(device), device=device)
+        self.data_points = 0
+
+    def add(self, loss_sum: torch.Tensor, data_points: int) -> None:
+        """Add a summed loss (any float tensor, detached here) over ``data_points`` data points."""
+        self.loss_sum += loss_sum.detach().to(self.loss_sum.dtype)
+        self.data_points += data_points
+
+    def mean(self) -> torch.Tensor:
+        """This rank's mean loss as a device tensor (no synchronisation)."""
+        return self.loss_sum / max(self.data_points, 1)
+
+    def global_loss(self, fabric: Fabric) -> GlobalLoss:
+        """All-reduce sum and count over all ranks (one collective); every rank gets the same answer."""
+        count = torch.tensor(self.data_points, dtype=self.loss_sum.dtype, device=self.device)
+        reduced = cast(torch.Tensor, fabric.all_reduce(torch.stack([self.loss_sum, count]), reduce_op="sum"))
+        loss_sum, data_points = reduced.tolist()
+        total = round(data_points)
+        return GlobalLoss(mean=loss_sum / total if total > 0 else 0.0, data_points=total)

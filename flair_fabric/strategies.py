@@ -1,0 +1,106 @@
+"""Fabric strategies that know about flair models.
+
+flair models often hold parameters that never receive a gradient (the pooler of a transformer, a word-embedding
+table behind a frozen layer, ...). DDP with ``find_unused_parameters=False`` then fails with "Expected to have
+finished reduction in the prior iteration", while ``find_unused_parameters=True`` walks the autograd graph on every
+step. :class:`FlairDDPStrategy` decides once per run: before wrapping, one probe step finds out whether the model
+has such parameters, and only then pays for the search.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Literal, cast
+
+import flair
+import torch
+from flair.training_utils import store_embeddings
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger("flair")
+
+FindUnused = bool | Literal["auto"]
+
+
+class FlairDDPStrategy(DDPStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` with ``find_unused_parameters="auto"``.
+
+    Args:
+        find_unused_parameters: ``"auto"`` (default) probes the model once before wrapping and turns DDP's search for
+            unused parameters on only if some parameter got no gradient; ``True``/``False`` force it.
+        **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, ``process_group_backend``, DDP options such
+            as ``static_graph``). ``start_method`` other than ``"popen"`` is not supported yet.
+    """
+
+    strategy_name = "flair_ddp"
+
+    def __init__(self, *, find_unused_parameters: FindUnused = "auto", **kwargs: Any) -> None:
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(
+                f"FlairDDPStrategy(start_method={kwargs['start_method']!r}) is not supported yet; leave start_method"
+                " out (the script is relaunched once per device)."
+            )
+        if find_unused_parameters not in (True, False, "auto"):
+            raise ValueError(
+                f"find_unused_parameters={find_unused_parameters!r} is not valid: pass True, False or 'auto'."
+            )
+        super().__init__(**kwargs)
+        self.find_unused_parameters: FindUnused = find_unused_parameters
+
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        """Wrap ``module`` in DDP once ``find_unused_parameters`` is decided."""
+        if self.find_unused_parameters == "auto":
+            raise RuntimeError(
+                "FlairDDPStrategy.find_unused_parameters is still 'auto': call resolve_unused_parameters() before"
+                " fabric.setup_module()."
+            )
+        self._ddp_kwargs = {**self._ddp_kwargs, "find_unused_parameters": self.find_unused_parameters}
+        return super().setup_module(module)
+
+
+def parameters_without_gradient(model: flair.nn.Model, batch: list) -> list[str]:
+    """Names of trainable parameters that get no gradient from one ``forward_loss`` on ``batch``.
+
+    The probe leaves no trace: random number generators are restored, gradients are reset and the embeddings the
+    forward pass stored on the data points are deleted.
+    """
+    python_state = random.getstate()
+    devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=devices):
+            model.train()
+            model.zero_grad(set_to_none=True)
+            loss, _ = model.forward_loss(batch)
+            if loss.requires_grad:
+                loss.backward()
+            unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    finally:
+        random.setstate(python_state)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        store_embeddings(batch, "none")
+    return unused
+
+
+def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch: list) -> None:
+    """Decide ``find_unused_parameters`` for a :class:`FlairDDPStrategy` set to ``"auto"``; no-op otherwise.
+
+    Every rank probes; the answer is all-reduced so that all ranks wrap the model the same way.
+    """
+    strategy = fabric.strategy
+    if not isinstance(strategy, FlairDDPStrategy) or strategy.find_unused_parameters != "auto":
+        return
+    unused = parameters_without_gradient(model, probe_batch)
+    vote = torch.tensor(float(bool(unused)), device=fabric.device)
+    votes = cast(torch.Tensor, fabric.all_reduce(vote, reduce_op="sum"))
+    strategy.find_unused_parameters = bool(votes.item() > 0)
+    if unused:
+        shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
+        log.info(f"DDP: {len(unused)} parameter(s) get no gradient ({shown}): find_unused_parameters=True")
+    else:
+        log.info("DDP: every parameter gets a gradient: find_unused_parameters=False")

@@ -1,0 +1,590 @@
+"""``FabricTrainer``: flair's ``ModelTrainer`` with its training loop run by Lightning Fabric.
+
+``train``, ``fine_tune`` and ``train_custom`` take flair's arguments unchanged plus Lightning's ``accelerator``,
+``devices``, ``num_nodes``, ``strategy`` and ``precision``. ``train_custom`` checks everything, builds a Fabric, lets
+Fabric start the processes and runs :meth:`FabricTrainer._train_on_rank` on each: flair's loop, event for event, with
+device placement, DDP, mixed precision and collectives done by Fabric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+import flair
+import torch
+from flair.data import Corpus, _len_dataset
+from flair.trainers import ModelTrainer
+from flair.trainers.plugins import MetricRecord
+from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
+from lightning.fabric import Fabric
+from lightning.fabric.wrappers import _FabricModule
+from torch.utils.data import Dataset
+
+from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
+from flair_fabric.evaluation import evaluate_on_global_zero
+from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
+from flair_fabric.metrics import LossTracker
+from flair_fabric.plugins import attach_builtin_plugins, for_world_size, log_on_global_zero_only
+from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
+from flair_fabric.strategies import resolve_unused_parameters
+
+log = logging.getLogger("flair")
+
+_FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
+
+_FABRIC_PARAMETERS = [
+    inspect.Parameter("accelerator", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="str"),
+    inspect.Parameter("devices", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="DevicesArgument"),
+    inspect.Parameter("num_nodes", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
+    inspect.Parameter("strategy", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="StrategyArgument"),
+    inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
+]
+
+_FABRIC_DOC = """
+        Lightning arguments (keyword only), added by FabricTrainer:
+            accelerator: "auto", "cpu", "cuda", "gpu" or "mps".
+            devices: devices per node: an int, -1 for all, "auto", or a list of device indices.
+            num_nodes: number of machines.
+            strategy: "auto" or "ddp", or a FlairDDPStrategy(...) object.
+            precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
+"""
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _with_flair_signature(flair_method: Callable[..., Any]) -> Callable[[Method], Method]:
+    """Show flair's parameters plus Lightning's in ``help()`` and IDEs for a method that forwards ``**kwargs``."""
+    flair_signature = inspect.signature(flair_method)
+    positional = [p for p in flair_signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    var_keyword = [p for p in flair_signature.parameters.values() if p.kind == p.VAR_KEYWORD]
+
+    def decorate(method: Method) -> Method:
+        method.__signature__ = flair_signature.replace(  # type: ignore[attr-defined]
+            parameters=positional + _FABRIC_PARAMETERS + var_keyword
+        )
+        method.__doc__ = (flair_method.__doc__ or "") + _FABRIC_DOC
+        return method
+
+    return decorate
+
+
+@dataclass
+class _RunState:
+    """What one rank's run keeps between its named steps."""
+
+    fabric: Fabric
+    args: SimpleNamespace
+    base_path: Path
+    module: _FabricModule
+    train_data: Dataset
+    sampler: Any
+    shuffle: bool
+    seed: int
+    evaluation_splits: dict[str, Dataset]
+    determine_best_epoch_using_dev_score: bool
+    best_epoch_score: float
+    save_best_model: bool
+    precision: str
+    batch_count: int = 0
+    dynamic_embeddings: list[str] | None = None
+
+
+class FabricTrainer(ModelTrainer):
+    """flair's :class:`~flair.trainers.ModelTrainer`, trained through Lightning Fabric on one or many devices.
+
+    Use it exactly like ``ModelTrainer``; ``train``, ``fine_tune`` and ``train_custom`` also take ``accelerator``,
+    ``devices``, ``num_nodes``, ``strategy`` and ``precision``. ``devices=2`` in an ordinary script is enough: the
+    script is relaunched once per extra device by Fabric, or left alone when ``torchrun`` started it.
+    """
+
+    def __init__(self, model: flair.nn.Model, corpus: Corpus) -> None:
+        super().__init__(model, corpus)
+        self.fabric: Fabric | None = None
+        self.steps_per_epoch: int = 0
+
+    # --- the run's topology, for plugins ------------------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        """Rank of this process among all processes of the run (0 outside a run)."""
+        return self.fabric.global_rank if self.fabric is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """Rank of this process on its machine (0 outside a run)."""
+        return self.fabric.local_rank if self.fabric is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes of the run (1 outside a run)."""
+        return self.fabric.world_size if self.fabric is not None else 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is global rank 0, the process that writes logs and model files."""
+        return self.global_rank == 0
+
+    # --- flair's public entry points ----------------------------------------------------------------------------
+
+    @_with_flair_signature(ModelTrainer.train)
+    def train(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
+        return super().train(base_path, *args, **kwargs)
+
+    @_with_flair_signature(ModelTrainer.fine_tune)
+    def fine_tune(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
+        return super().fine_tune(base_path, *args, **kwargs)
+
+    @_with_flair_signature(ModelTrainer.train_custom)
+    def train_custom(
+        self,
+        base_path: Any,
+        *args: Any,
+        accelerator: str = "auto",
+        devices: DevicesArgument = "auto",
+        num_nodes: int = 1,
+        strategy: StrategyArgument = "auto",
+        precision: str | None = None,
+        **kwargs: Any,
+    ) -> dict:
+        bound = _FLAIR_TRAIN_CUSTOM.bind(self, base_path, *args, **kwargs)
+        bound.apply_defaults()
+        flair_args = SimpleNamespace(**{k: v for k, v in bound.arguments.items() if k != "self"})
+        if flair_args.multi_gpu:
+            raise ValueError(
+                "multi_gpu=True is flair's own multi-GPU mode; FabricTrainer starts the processes itself:"
+                " pass devices=N (and strategy=...) instead of multi_gpu=True."
+            )
+        config = make_launch_config(
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            strategy=strategy,
+            precision=precision,
+            use_amp=flair_args.use_amp,
+        )
+        self._check_run(flair_args, config)
+        fabric = build_fabric(config)
+        self.fabric = fabric
+        fabric_args = {
+            "accelerator": config.accelerator,
+            "devices": config.devices,
+            "num_nodes": config.num_nodes,
+            "strategy": config.strategy if isinstance(config.strategy, str) else type(config.strategy).__name__,
+            "precision": config.precision,
+        }
+        return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
+
+    def _check_run(self, args: SimpleNamespace, config: LaunchConfig) -> None:
+        """Refuse, before any process starts, what cannot train."""
+        if self.corpus.train is None:
+            raise ValueError("the corpus has no train split: FabricTrainer needs training data (corpus.train).")
+        size = _len_dataset(self._get_train_data(args.train_with_dev, args.train_with_test))
+        if size == 0:
+            raise ValueError("the train split is empty: FabricTrainer needs at least one training data point.")
+        if size < config.world_size:
+            raise ValueError(
+                f"the train split has {size} data point(s) for {config.world_size} processes: every process needs"
+                " at least one; use fewer devices or more training data."
+            )
+        if args.reduce_transformer_vocab and config.world_size > 1:
+            raise ValueError(
+                "reduce_transformer_vocab=True is not supported with more than one process yet (flair reduces the"
+                " vocabulary on rank 0 only); train with reduce_transformer_vocab=False or devices=1."
+            )
+
+    # --- one rank's run -----------------------------------------------------------------------------------------
+
+    def _train_on_rank(self, fabric: Fabric, args: SimpleNamespace, fabric_args: dict) -> dict:
+        """flair's ``train_custom`` on one rank; every rank returns global rank 0's return values."""
+        flair.device = fabric.device
+        with log_on_global_zero_only(fabric):
+            return self._run(fabric, args, fabric_args)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward through Fabric (precision, gradient scaler, strategy); plugins may still override it."""
+        assert self.fabric is not None
+        self.fabric.backward(loss)
+
+    def _save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
+        assert self.fabric is not None
+        save_on_global_zero(self.fabric, self.model, model_file, checkpoint)
+
+    def _load_model(self, model_file: str | Path) -> None:
+        assert self.fabric is not None
+        load_from_global_zero(self.fabric, self.model, model_file)
+
+    def _run(self, fabric: Fabric, a: SimpleNamespace, fabric_args: dict) -> dict:
+        exclude_labels = a.exclude_labels if a.exclude_labels is not None else []
+        a.exclude_labels = exclude_labels
+        base_path = Path(a.base_path)
+        base_path.mkdir(exist_ok=True, parents=True)
+
+        plugins = for_world_size(a.plugins if a.plugins is not None else [], fabric.world_size)
+        for plugin in plugins:
+            plugin.attach_to(self)
+        attach_builtin_plugins(
+            self,
+            fabric,
+            base_path,
+            create_file_logs=a.create_file_logs,
+            create_loss_file=a.create_loss_file,
+            write_weights=a.write_weights,
+            reduce_transformer_vocab=a.reduce_transformer_vocab,
+            save_model_each_k_epochs=a.save_model_each_k_epochs,
+            save_optimizer_state=a.save_optimizer_state,
+            epoch=a.epoch,
+        )
+
+        kwargs: dict = a.kwargs
+        training_parameters = {**vars(a), "base_path": base_path, "plugins": plugins, **fabric_args}
+        training_parameters.update(kwargs)
+        self.model.model_card = self._initialize_model_card(**training_parameters)
+
+        train_data = self._get_train_data(train_with_dev=a.train_with_dev, train_with_test=a.train_with_test)
+        dataset_size = _len_dataset(train_data)
+        parameters = {"dataset_size": dataset_size, **training_parameters}
+
+        evaluation_splits: dict[str, Dataset] = {}
+        if not a.train_with_dev and self.corpus.dev:
+            evaluation_splits["dev"] = self.corpus.dev
+        if self.corpus.test and a.monitor_test:
+            evaluation_splits["test"] = self.corpus.test
+        if a.monitor_train_sample > 0.0:
+            evaluation_splits["train_sample"] = self._sample_train_split(a.monitor_train_sample)
+
+        determine_best_epoch_using_dev_score = bool(not a.train_with_dev and self.corpus.dev)
+
+        # placement and DDP wrapping, then the optimizer over the wrapped parameters
+        fabric.to_device(self.model)
+        probe = [train_data[i] for i in range(min(a.mini_batch_size, dataset_size))]
+        resolve_unused_parameters(fabric, self.model, probe)
+        module = fabric.setup_module(self.model)
+        module.mark_forward_method("forward_loss")
+        kwargs["lr"] = a.learning_rate
+        self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, kwargs))
+
+        sampler = a.sampler
+        shuffle = a.shuffle
+        if sampler is not None:
+            if isinstance(sampler, type):
+                sampler = sampler()
+            sampler.set_dataset(train_data)
+            shuffle = False
+        self.steps_per_epoch = steps_per_epoch(dataset_size, a.mini_batch_size, fabric.world_size)
+
+        if a.epoch >= a.max_epochs:
+            log.warning(f"Starting at epoch {a.epoch + 1}/{a.max_epochs}. No training will be done.")
+        if a.epoch == 0 and fabric.is_global_zero:
+            self.check_for_and_delete_previous_best_models(base_path)
+
+        run = _RunState(
+            fabric=fabric,
+            args=a,
+            base_path=base_path,
+            module=module,
+            train_data=train_data,
+            sampler=sampler,
+            shuffle=shuffle,
+            seed=shared_seed(fabric) if fabric.world_size > 1 else 0,
+            evaluation_splits=evaluation_splits,
+            determine_best_epoch_using_dev_score=determine_best_epoch_using_dev_score,
+            best_epoch_score=0 if determine_best_epoch_using_dev_score else float("inf"),
+            save_best_model=not a.train_with_dev and not a.use_final_model_for_eval,
+            precision=fabric_args["precision"],
+        )
+
+        with contextlib.ExitStack() as context_stack:
+            self.context_stack = context_stack
+            self.dispatch("after_setup", **parameters)
+            self._log_setup(run, plugins, len(train_data))
+
+            try:
+                for epoch in range(a.epoch + 1, a.max_epochs + 1):
+                    train_loss, lr_info = self._train_epoch(run, epoch)
+                    log_line(log)
+                    log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
+                    self.dispatch("after_training_epoch", epoch=epoch)
+                    self._evaluate_epoch(run, epoch, train_loss)
+
+                self.dispatch("after_training_loop")
+                if a.save_final_model:
+                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
+
+            except KeyboardInterrupt:
+                log_line(log)
+                log.info("Exiting from training early.")
+                self.dispatch("training_interrupt")
+                if a.save_final_model:
+                    log.info("Saving model ...")
+                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
+                log.info("Done.")
+
+            except flair.trainers.plugins.TrainingInterrupt as exc:
+                log_line(log)
+                log.info(str(exc))
+                log_line(log)
+                self.dispatch("training_interrupt")
+                if a.save_final_model:
+                    log.info("Saving model ...")
+                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
+                log.info("Done.")
+
+            except Exception:
+                self.dispatch("_training_exception")
+                raise
+            finally:
+                self.dispatch("_training_finally")
+
+            self._test_final_model(run)
+
+        self.dispatch("after_training")
+        return_values = fabric.broadcast(self.return_values, src=0)
+        self.reset_training_attributes()
+        return return_values
+
+    def _make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], decoder_learning_rate: float | None, kwargs: dict
+    ) -> torch.optim.Optimizer:
+        """flair's optimizer, with its separate decoder learning rate when one is given."""
+        if not decoder_learning_rate:
+            return optimizer_class(params=self.model.parameters(), **kwargs)
+        named = list(self.model.named_parameters())
+        params = [
+            {"params": [p for name, p in named if "embeddings" not in name], "lr": decoder_learning_rate},
+            {"params": [p for name, p in named if "embeddings" in name], "lr": kwargs["lr"]},
+        ]
+        log.info(
+            f"Modifying learning rate to {decoder_learning_rate} for the following "
+            f"parameters: {[name for name, _ in named if 'embeddings' not in name]}"
+        )
+        return optimizer_class(params=params, **kwargs)
+
+    def _log_setup(self, run: _RunState, plugins: list, train_size: int) -> None:
+        a, fabric = run.args, run.fabric
+        final_eval_info = (
+            "model after last epoch (final-model.pt)"
+            if a.use_final_model_for_eval
+            else "model from best epoch (best-model.pt)"
+        )
+        log_line(log)
+        log.info(f'Model: "{self.model}"')
+        log_line(log)
+        log.info(f"{self.corpus}")
+        log_line(log)
+        log.info(f"Train:  {train_size} sentences")
+        log.info(f"        (train_with_dev={a.train_with_dev}, train_with_test={a.train_with_test})")
+        log_line(log)
+        log.info("Training Params:")
+        log.info(
+            f' - learning_rate: "{a.learning_rate}" '
+            f"{'(decoder: ' + str(a.decoder_learning_rate) + ')' if a.decoder_learning_rate else ''}"
+        )
+        log.info(f' - mini_batch_size: "{a.mini_batch_size}" per device')
+        log.info(f' - global batch size: "{a.mini_batch_size * fabric.world_size}" ({fabric.world_size} process(es))')
+        log.info(f' - max_epochs: "{a.max_epochs}"')
+        log.info(f' - shuffle: "{run.shuffle}"')
+        log_line(log)
+        log.info("Plugins:")
+        for plugin in plugins:
+            log.info(" - " + str(plugin))
+        log_line(log)
+        log.info(f"Final evaluation on {final_eval_info}")
+        log.info(f' - metric: "{a.main_evaluation_metric}"')
+        log_line(log)
+        log.info("Computation:")
+        log.info(f" - compute on device: {fabric.device} (global rank 0 of {fabric.world_size})")
+        log.info(f" - strategy: {type(fabric.strategy).__name__}, precision: {run.precision}")
+        log.info(f" - embedding storage: {a.embeddings_storage_mode}")
+        log_line(log)
+        log.info(f'Model training base path: "{run.base_path}"')
+        log_line(log)
+
+    # --- one epoch ------------------------------------------------------------------------------------------------
+
+    def _train_epoch(self, run: _RunState, epoch: int) -> tuple[float, str]:
+        """Train one epoch; returns the global train loss and the last learning-rate log text."""
+        fabric, a = run.fabric, run.args
+        log_line(log)
+        self.dispatch("before_training_epoch", epoch=epoch)
+        self.model.model_card["training_parameters"]["epoch"] = epoch  # type: ignore[index]
+        lr_info, _ = self._get_current_lr_and_momentum(run.batch_count)
+
+        shuffle_this_epoch = run.shuffle and not (not a.shuffle_first_epoch and epoch == 1)
+        batch_loader = train_loader(
+            run.train_data,
+            mini_batch_size=a.mini_batch_size,
+            shuffle=shuffle_this_epoch,
+            sampler=run.sampler,
+            epoch=epoch,
+            seed=run.seed,
+            rank=fabric.global_rank,
+            world_size=fabric.world_size,
+        )
+        self.model.train()
+        epoch_loss = LossTracker(fabric.device)
+        epoch_start_time = time.time()
+        log_modulo = max(1, int(len(batch_loader) / 10))
+
+        for batch_no, batch in enumerate(batch_loader):
+            run.batch_count += 1
+            batch_kw = {
+                "batch_no": batch_no,
+                "batch": batch,
+                "total_number_of_batches": len(batch_loader),
+                "epoch": epoch,
+                "batch_count": run.batch_count,
+            }
+            batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw)
+            if batch_loss.data_points > 0:
+                self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
+                if gradient_norm is not None:
+                    self._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, run.batch_count))
+                epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
+
+            if (batch_no + 1) % log_modulo == 0:
+                progress = epoch_loss.global_loss(fabric)
+                elapsed = time.time() - epoch_start_time
+                lr_info, momentum_info = self._get_current_lr_and_momentum(run.batch_count)
+                log.info(
+                    f"epoch {epoch}"
+                    f" - iter {batch_no + 1}/{len(batch_loader)}"
+                    f" - loss {progress.mean:.8f}"
+                    f" - time (sec): {elapsed:.2f}"
+                    f" - samples/sec: {progress.data_points / elapsed:.2f}"
+                    f"{lr_info}{momentum_info}"
+                )
+            self.dispatch("after_training_batch", **batch_kw)
+
+        train_loss = epoch_loss.global_loss(fabric).mean
+        self._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
+        return train_loss, lr_info
+
+    def _train_batch(self, run: _RunState, batch: list, batch_kw: dict) -> tuple[LossTracker, torch.Tensor | None]:
+        """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch."""
+        fabric, a, module = run.fabric, run.args, run.module
+        assert self.optimizer is not None
+        self.model.zero_grad()
+        self.optimizer.zero_grad()
+        self.dispatch("before_training_batch", **batch_kw)
+
+        batch_loss = LossTracker(fabric.device)
+        batch_steps = self.get_batch_steps(batch, mini_batch_chunk_size=a.mini_batch_chunk_size)
+        for batch_step_no, batch_step in enumerate(batch_steps):
+            is_last_chunk = batch_step_no == len(batch_steps) - 1
+            with fabric.no_backward_sync(module, enabled=not is_last_chunk):
+                with fabric.autocast():
+                    loss, datapoint_count = module.forward_loss(batch_step)
+                batch_loss.add(loss, datapoint_count)
+                # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
+                # world size gives the gradient of the sum over all ranks' batches.
+                self._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
+            if run.dynamic_embeddings is None:
+                run.dynamic_embeddings = identify_dynamic_embeddings(batch)
+            store_embeddings(batch_step, a.embeddings_storage_mode, run.dynamic_embeddings)
+
+        self.dispatch("before_training_optimizer_step", **batch_kw)
+        gradient_norm = None
+        if a.max_grad_norm is not None:
+            gradient_norm = fabric.clip_gradients(
+                module, self.optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False
+            )
+        scaler = getattr(fabric.strategy.precision, "scaler", None)
+        scale_before = scaler.get_scale() if scaler is not None else 1.0
+        self.optimizer.step()
+        scale_after = scaler.get_scale() if scaler is not None else 1.0
+        batch_kw["optimizer_was_run"] = scale_before <= scale_after
+        return batch_loss, gradient_norm
+
+    def _evaluate_epoch(self, run: _RunState, epoch: int, train_loss: float) -> None:
+        """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
+        a = run.args
+        self.model.eval()
+        current_epoch_has_best_model_so_far = False
+        validation_scores: tuple = ()
+
+        for split, split_data in run.evaluation_splits.items():
+            eval_result = evaluate_on_global_zero(
+                run.fabric,
+                self.model,
+                split_data,
+                out_path=run.base_path / f"{split}.tsv",
+                embeddings_storage_mode=a.embeddings_storage_mode,
+                mini_batch_size=a.eval_batch_size,
+                exclude_labels=a.exclude_labels,
+                main_evaluation_metric=a.main_evaluation_metric,
+                gold_label_dictionary=a.gold_label_dictionary_for_eval,
+                embedding_storage_mode=a.embeddings_storage_mode,
+                gold_label_type=self.model.label_type,
+                gold_label_dictionary_for_eval=a.gold_label_dictionary_for_eval,
+            )
+            log.info(
+                f"{split.upper()} : loss {eval_result.loss}"
+                f" - {a.main_evaluation_metric[1]}"
+                f" ({a.main_evaluation_metric[0]})"
+                f"  {round(eval_result.main_score, 4)}"
+            )
+            self._publish_eval_result(eval_result, split, global_step=epoch)
+
+            if run.determine_best_epoch_using_dev_score and split == "dev":
+                validation_scores = eval_result.main_score, eval_result.loss
+                if eval_result.main_score > run.best_epoch_score:
+                    current_epoch_has_best_model_so_far = True
+                    run.best_epoch_score = eval_result.main_score
+
+        if not run.determine_best_epoch_using_dev_score:
+            validation_scores = (train_loss,)
+            if train_loss < run.best_epoch_score:
+                current_epoch_has_best_model_so_far = True
+                run.best_epoch_score = train_loss
+
+        self.dispatch(
+            "after_evaluation",
+            epoch=epoch,
+            current_model_is_best=current_epoch_has_best_model_so_far,
+            validation_scores=validation_scores,
+        )
+        if run.save_best_model and current_epoch_has_best_model_so_far:
+            log.info("saving best model")
+            self._save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
+
+    def _test_final_model(self, run: _RunState) -> None:
+        """Load the best model on every rank (if there is one) and score the test split, as flair does."""
+        a = run.args
+        best_model = run.base_path / "best-model.pt"
+        if self.corpus.test and not a.train_with_test:
+            log_line(log)
+            self.model.eval()
+            if load_from_global_zero(run.fabric, self.model, best_model):
+                log.info("Loading model from best epoch ...")
+            else:
+                log.info("Testing using last state of model ...")
+            test_results = evaluate_on_global_zero(
+                run.fabric,
+                self.model,
+                self.corpus.test,
+                out_path=run.base_path / "test.tsv",
+                gold_label_type=self.model.label_type,
+                mini_batch_size=a.eval_batch_size,
+                embedding_storage_mode="none",
+                main_evaluation_metric=a.main_evaluation_metric,
+                gold_label_dictionary=a.gold_label_dictionary_for_eval,
+                exclude_labels=a.exclude_labels,
+                return_loss=False,
+            )
+            log.info(test_results.detailed_results)
+            log_line(log)
+            self.return_values["test_score"] = test_results.main_score
+        else:
+            if load_from_global_zero(run.fabric, self.model, best_model):
+                log.info("Loading model from best epoch ...")
+            self.return_values["test_score"] = 0
+            log.info("Test data not provided setting final score to 0")
