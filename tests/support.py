@@ -1,0 +1,170 @@
+"""Small flair models and helpers shared by the tests and the multi-process test scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import flair
+import torch
+from flair.data import Corpus
+from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings, TransformerDocumentEmbeddings
+from flair.models import SequenceTagger, TextClassifier
+from flair.trainers.plugins import BasePlugin, Pluggable, TrainerPlugin
+
+from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE, trec_corpus, wnut16_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def small_trec(train_size: int = 48, dev_size: int = 12, test_size: int = 12, seed: int = 3) -> Corpus:
+    """A few TREC questions."""
+    return trec_corpus(train_size=train_size, dev_size=dev_size, test_size=test_size, seed=seed)
+
+
+def small_wnut(folder: str | Path, train_size: int = 40, dev_size: int = 10, test_size: int = 10) -> Corpus:
+    """A few WNUT-16 tweets as a flair ColumnCorpus."""
+    return wnut16_corpus(folder, train_size=train_size, dev_size=dev_size, test_size=test_size, seed=3)
+
+
+def tiny_text_classifier(corpus: Corpus, seed: int = 7) -> TextClassifier:
+    """A one-hot + mean-pooling text classifier without dropout (deterministic).
+
+    Not flair's DocumentRNNEmbeddings: it zeroes its own gradients in every forward pass, so with
+    ``mini_batch_chunk_size`` it keeps only the last chunk's gradient, in flair's own trainer as well.
+    """
+    flair.set_seed(seed)
+    words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
+    document = DocumentPoolEmbeddings([words], fine_tune_mode="nonlinear")
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    return TextClassifier(document, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+
+
+def tiny_sequence_tagger(corpus: Corpus, seed: int = 7) -> SequenceTagger:
+    """A one-hot + LSTM + CRF NER tagger without dropout (deterministic)."""
+    flair.set_seed(seed)
+    words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
+    tags = corpus.make_label_dictionary(WNUT16_LABEL_TYPE, add_unk=False)
+    return SequenceTagger(
+        hidden_size=16,
+        embeddings=words,
+        tag_dictionary=tags,
+        tag_type=WNUT16_LABEL_TYPE,
+        use_crf=True,
+        dropout=0.0,
+        word_dropout=0.0,
+        locked_dropout=0.0,
+    )
+
+
+def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer BERT and its word-piece tokenizer, saved in ``directory``."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    words = sorted({token.text.lower() for sentence in corpus.get_all_sentences() for token in sentence})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), do_lower_case=True).save_pretrained(directory)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(config).save_pretrained(directory)
+    return directory
+
+
+def tiny_transformer_classifier(corpus: Corpus, bert_dir: str | Path, seed: int = 7) -> TextClassifier:
+    """A text classifier on a tiny random BERT (``make_tiny_bert``), fine-tuned end to end."""
+    flair.set_seed(seed)
+    embeddings = TransformerDocumentEmbeddings(str(bert_dir), fine_tune=True)
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    return TextClassifier(embeddings, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+
+
+class EventRecorder(TrainerPlugin):
+    """Records every trainer event with a comparable summary of its arguments."""
+
+    EVENTS = (
+        "after_setup",
+        "before_training_epoch",
+        "before_training_batch",
+        "before_training_optimizer_step",
+        "after_training_batch",
+        "after_training_epoch",
+        "after_evaluation",
+        "after_training_loop",
+        "training_interrupt",
+        "_training_finally",
+        "_training_exception",
+        "after_training",
+        "metric_recorded",
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def attach_to(self, pluggable: Pluggable) -> None:
+        BasePlugin.attach_to(self, pluggable)
+        for event in self.EVENTS:
+            self._hook_handles.append(pluggable.register_hook(self._recorder(event), event))
+
+    def _recorder(self, event: str):
+        def record(*args: Any, **kwargs: Any) -> None:
+            summary = {key: summarize(value) for key, value in kwargs.items()}
+            if args:
+                metric = args[0]
+                summary = {"name": str(metric.name), "step": metric.global_step, "value": summarize(metric.value)}
+            self.events.append((event, summary))
+
+        return record
+
+
+def summarize(value: Any) -> Any:
+    """A JSON-like stand-in for an event argument that two runs can be compared on."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.numel() == 1 else ("tensor", tuple(value.shape))
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, Path):
+        return "<path>"
+    if isinstance(value, (list, tuple)):
+        if value and all(hasattr(item, "to_plain_string") for item in value):
+            return ("batch", tuple(item.to_plain_string() for item in value))
+        return tuple(summarize(item) for item in value)
+    return f"<{type(value).__name__}>"
+
+
+def state_dict_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two state dicts with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[key].float() - b[key].float()).abs().max().item() for key in a)
+
+
+def run_script(script: str, *args: str, timeout: int = 420, launcher: list[str] | None = None) -> str:
+    """Run ``tests/scripts/<script>`` in a fresh interpreter (the way a user runs a training script)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, f"{script} failed with {completed.returncode}:\n{output[-6000:]}"
+    return output
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    """Write a JSON run configuration for a test script."""
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return path

@@ -1,0 +1,119 @@
+"""Bad input is refused before any process starts, with an error that names the argument and the fix."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+from flair.data import Corpus
+from flair.datasets import FlairDatapointDataset
+from flair.trainers import ModelTrainer
+
+from flair_fabric import FabricTrainer, FlairDDPStrategy
+from flair_fabric import launch as launch_module
+from flair_fabric.launch import make_launch_config, resolve_devices
+
+from .support import small_trec, tiny_text_classifier
+
+
+@pytest.fixture(scope="module")
+def trainer() -> FabricTrainer:
+    corpus = small_trec()
+    return FabricTrainer(tiny_text_classifier(corpus), corpus)
+
+
+BAD_ARGUMENTS = [
+    ({"strategy": "dpp"}, r"strategy='dpp' is not supported; choose one of auto, ddp"),
+    ({"strategy": object()}, r"strategy=.* is not supported"),
+    ({"precision": "16"}, r"precision='16' is not supported; choose one of 32-true, bf16-mixed"),
+    ({"precision": "16-mixed"}, r"precision='16-mixed' needs a CUDA GPU; on cpu use precision='bf16-mixed'"),
+    ({"precision": "bf16-mixed", "use_amp": True}, r"use_amp=True and precision='bf16-mixed' were both given"),
+    ({"devices": 0}, r"devices=0 is not valid: pass a positive number"),
+    ({"devices": -3}, r"devices=-3 is not valid"),
+    ({"devices": [0, 0]}, r"names a device twice"),
+    ({"devices": "two"}, r"devices='two' is not valid"),
+    ({"num_nodes": 0}, r"num_nodes=0 is not valid: pass the number of machines"),
+    ({"num_nodes": 1.5}, r"num_nodes=1.5 is not valid"),
+    ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of auto, cpu, cuda"),
+    ({"accelerator": "cuda", "devices": 2}, r"asks for more cuda devices than this machine has \(0\)"),
+    ({"multi_gpu": True}, r"multi_gpu=True is flair's own multi-GPU mode.*pass devices=N"),
+    ({"devices": 2, "reduce_transformer_vocab": True}, r"reduce_transformer_vocab=True is not supported with more"),
+]
+
+
+@pytest.mark.parametrize(("arguments", "message"), BAD_ARGUMENTS)
+def test_bad_argument_is_refused_before_launch(
+    trainer: FabricTrainer, tmp_path: Path, arguments: dict[str, Any], message: str
+) -> None:
+    if arguments.get("accelerator") == "cuda" and launch_module.available_device_count("cuda"):
+        pytest.skip("this machine has CUDA devices")
+    arguments = {"accelerator": "cpu", **arguments}
+    with pytest.raises(ValueError, match=message):
+        trainer.train(tmp_path, max_epochs=1, **arguments)
+    assert trainer.fabric is None, "no Fabric (and no process) may be started for bad input"
+    assert not (tmp_path / "training.log").exists()
+
+
+def test_more_gpus_than_the_machine_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_module, "available_device_count", lambda accelerator: 2)
+    with pytest.raises(ValueError, match=r"devices=4 asks for more cuda devices than this machine has \(2\)"):
+        resolve_devices(4, "cuda")
+    with pytest.raises(ValueError, match=r"asks for cuda device 3, but this machine has 2"):
+        resolve_devices([0, 3], "cuda")
+    assert resolve_devices(-1, "cuda") == 2
+    assert resolve_devices("auto", "cuda") == 2
+    assert resolve_devices("0,1", "cuda") == [0, 1]
+
+
+def test_devices_and_strategy_resolution_on_cpu() -> None:
+    single = make_launch_config(
+        accelerator="cpu", devices="auto", num_nodes=1, strategy="auto", precision=None, use_amp=False
+    )
+    assert (single.devices, single.strategy, single.precision, single.world_size) == (1, "auto", "32-true", 1)
+    two = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="auto", precision=None, use_amp=True)
+    assert isinstance(two.strategy, FlairDDPStrategy) and two.precision == "bf16-mixed" and two.world_size == 2
+    custom = FlairDDPStrategy(find_unused_parameters=True)
+    assert make_launch_config(
+        accelerator="cpu", devices=[0, 1], num_nodes=2, strategy=custom, precision="32-true", use_amp=False
+    ) == launch_module.LaunchConfig("cpu", [0, 1], 2, custom, "32-true")
+
+
+def test_ddp_strategy_options_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"find_unused_parameters='sometimes' is not valid"):
+        FlairDDPStrategy(find_unused_parameters="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"start_method='spawn'\) is not supported yet"):
+        FlairDDPStrategy(start_method="spawn")
+
+
+def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    empty = Corpus(FlairDatapointDataset([]), corpus.dev, corpus.test, sample_missing_splits=False)
+    with pytest.raises(ValueError, match="the train split is empty"):
+        FabricTrainer(model, empty).train(tmp_path, accelerator="cpu", devices=1)
+    one = Corpus(FlairDatapointDataset([corpus.train[0]]), corpus.dev, corpus.test, sample_missing_splits=False)
+    with pytest.raises(ValueError, match=r"1 data point\(s\) for 2 processes"):
+        FabricTrainer(model, one).train(tmp_path, accelerator="cpu", devices=2)
+
+
+def test_signatures_keep_flair_arguments_and_defaults() -> None:
+    for name in ("train", "fine_tune", "train_custom"):
+        flair_parameters = inspect.signature(getattr(ModelTrainer, name)).parameters
+        ours = inspect.signature(getattr(FabricTrainer, name)).parameters
+        for parameter in flair_parameters.values():
+            assert ours[parameter.name].default == parameter.default, (name, parameter.name)
+        for added, default in {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}.items():
+            assert ours[added].default == default
+        assert ours["precision"].default is None
+
+
+def test_flair_device_follows_fabric(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    trainer = FabricTrainer(model, corpus)
+    trainer.train(tmp_path, max_epochs=1, accelerator="cpu", devices=1)
+    assert trainer.fabric is not None and flair.device == trainer.fabric.device
+    assert (trainer.world_size, trainer.global_rank, trainer.is_global_zero) == (1, 0, True)

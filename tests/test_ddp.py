@@ -1,0 +1,146 @@
+"""Two CPU processes (gloo): the script relaunch and torchrun paths, checked against one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import flair
+import pytest
+import torch
+from flair.models import TextClassifier
+from flair.trainers.plugins import MetricHistoryPlugin
+
+from flair_fabric import FabricTrainer
+
+from .support import (
+    make_tiny_bert,
+    run_script,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    write_config,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+UNION = {"max_epochs": 3, "learning_rate": 0.1, "shuffle": False, "use_final_model_for_eval": True}
+
+
+def _weights(run_dir: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    return torch.load(run_dir / f"weights-rank{rank}.pt")
+
+
+def _summary(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / f"summary-rank{rank}.json").read_text())
+
+
+def _epoch_lines(path: Path, marker: str) -> list[str]:
+    return [line for line in path.read_text().splitlines() if marker in line]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One script, three trainings on 2 ranks (one process start-up for all of them)."""
+    out = tmp_path_factory.mktemp("ddp")
+    runs = [
+        {"name": "union", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}},
+        {
+            "name": "union_chunked",
+            "method": "train_custom",
+            "kwargs": {**UNION, "mini_batch_size": 4, "mini_batch_chunk_size": 2, "devices": 2},
+        },
+        {"name": "defaults", "method": "train", "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2}},
+    ]
+    config = write_config(out / "config.json", {"out": str(out), "runs": runs})
+    run_script("ddp_runs.py", str(config))
+    return out
+
+
+def _one_process_reference(tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    result = FabricTrainer(model, corpus).train_custom(
+        tmp_path, **UNION, mini_batch_size=8, accelerator="cpu", devices=1, plugins=[MetricHistoryPlugin()]
+    )
+    return model.state_dict(), result["train_loss_history"]
+
+
+def test_two_ranks_equal_one_process_on_the_union_of_their_batches(two_rank_runs: Path, tmp_path: Path) -> None:
+    reference_weights, reference_losses = _one_process_reference(tmp_path)
+    for name in ("union", "union_chunked"):
+        weights = _weights(two_rank_runs / name, 0)
+        assert state_dict_difference(weights["initial"], weights["final"]) > 1e-3, "the model must have trained"
+        assert state_dict_difference(weights["final"], reference_weights) <= 1e-5, name
+        # the logged train loss is the global, sample-weighted mean: equal to one process seeing all data
+        losses = _summary(two_rank_runs / name, 0)["result"]["train_loss_history"]
+        for expected, actual in zip(reference_losses, losses, strict=True):
+            assert math.isclose(expected, actual, rel_tol=1e-5), (name, expected, actual)
+
+
+def test_all_ranks_end_with_the_same_weights_and_results(two_rank_runs: Path) -> None:
+    for name in ("union", "union_chunked", "defaults"):
+        rank0, rank1 = _weights(two_rank_runs / name, 0), _weights(two_rank_runs / name, 1)
+        assert state_dict_difference(rank0["final"], rank1["final"]) == 0.0, name
+        summary0, summary1 = _summary(two_rank_runs / name, 0), _summary(two_rank_runs / name, 1)
+        assert summary0["result"] == summary1["result"], "every rank returns rank 0's values"
+        assert summary0["lr_trace"] == summary1["lr_trace"]
+        assert (summary0["world_size"], summary1["world_size"]) == (2, 2)
+
+
+def test_logs_and_models_are_written_once(two_rank_runs: Path) -> None:
+    run_dir = two_rank_runs / "defaults"
+    loss_rows = (run_dir / "loss.tsv").read_text().splitlines()
+    assert loss_rows[0].startswith("EPOCH")
+    assert [row.split("\t")[0] for row in loss_rows[1:]] == ["1", "2", "3"]
+    assert len(_epoch_lines(run_dir / "training.log", "done: loss")) == 3
+    assert len(_epoch_lines(run_dir / "training.log", "DEV : loss")) == 3
+    assert 'global batch size: "8" (2 process(es))' in (run_dir / "training.log").read_text()
+    assert not list(run_dir.glob(".*.tmp")), "no temporary model files are left behind"
+    # best model chosen on dev and loaded on every rank at the end; the file loads with flair's own loader
+    best = TextClassifier.load(run_dir / "best-model.pt")
+    assert state_dict_difference(best.state_dict(), _weights(run_dir, 1)["final"]) == 0.0
+    assert (run_dir / "final-model.pt").exists()
+
+
+def test_torchrun_launched_script_trains_unchanged(tmp_path: Path) -> None:
+    runs = [{"name": "torchrun", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
+    config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
+    torchrun = shutil.which("torchrun", path=str(Path(flair.__file__).parents[4] / "bin"))
+    assert torchrun is not None
+    run_script("ddp_runs.py", str(config), launcher=[torchrun, "--standalone", "--nproc_per_node=2"])
+    summaries = [_summary(tmp_path / "torchrun", rank) for rank in (0, 1)]
+    assert all(summary["torchelastic"] for summary in summaries), "both ranks were started by torchrun"
+    assert sorted(summary["local_rank"] for summary in summaries) == [0, 1]
+    reference_weights, _ = _one_process_reference(tmp_path / "reference")
+    assert state_dict_difference(_weights(tmp_path / "torchrun", 1)["final"], reference_weights) <= 1e-5
+
+
+def test_transformer_classifier_fine_tunes_on_two_ranks_in_bf16(tmp_path: Path) -> None:
+    corpus_size = {"train_size": 50}
+    bert_dir = make_tiny_bert(tmp_path / "bert", small_trec(**corpus_size))
+    kwargs = {"max_epochs": 2, "mini_batch_size": 4, "learning_rate": 5e-3, "devices": 2, "precision": "bf16-mixed"}
+    runs = [{"name": "bert", "model": "bert", "method": "fine_tune", "kwargs": kwargs}]
+    config = {"out": str(tmp_path), "bert_dir": str(bert_dir), "corpus": corpus_size, "runs": runs}
+    run_script("ddp_runs.py", str(write_config(tmp_path / "config.json", config)))
+
+    run_dir = tmp_path / "bert"
+    rank0, rank1 = _weights(run_dir, 0), _weights(run_dir, 1)
+    assert state_dict_difference(rank0["initial"], rank0["final"]) > 1e-4, "the transformer must have trained"
+    assert state_dict_difference(rank0["final"], rank1["final"]) == 0.0
+    log = (run_dir / "training.log").read_text()
+    assert "find_unused_parameters=True" in log, "the BERT pooler gets no gradient: DDP must search for it"
+    assert "precision: bf16-mixed" in log
+    # The linear schedule is sized to the steps each rank really runs: 50 questions over 2 ranks are shards of 25,
+    # 7 batches of 4 per epoch, 14 steps in all, 1 of them warm-up. The trace holds the rate each step used: the
+    # last one used 1/13 of the peak, so the schedule reaches 0 exactly after it. (flair's own formula,
+    # int((50 + 3) / 4 / 2 * 2) = 13 steps, would have trained the last step with a learning rate of 0.)
+    trace = _summary(run_dir, 0)["lr_trace"]
+    assert len(trace) == 14 and trace[0] == 0.0 and trace[1] == pytest.approx(5e-3)
+    assert trace[-1] == pytest.approx(5e-3 / 13)
+    loaded = TextClassifier.load(run_dir / "final-model.pt")
+    sentence = flair.data.Sentence("What is the capital of France ?")
+    loaded.predict(sentence)
+    assert sentence.get_label("question_class").value in loaded.label_dictionary.get_items()

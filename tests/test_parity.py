@@ -1,0 +1,128 @@
+"""One device: FabricTrainer reproduces flair's ModelTrainer (losses, weights, events)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+import torch
+from flair.trainers import ModelTrainer
+from flair.trainers.plugins import MetricHistoryPlugin
+
+from flair_fabric import FabricTrainer
+
+from .support import (
+    EventRecorder,
+    small_trec,
+    small_wnut,
+    state_dict_difference,
+    tiny_sequence_tagger,
+    tiny_text_classifier,
+)
+
+FABRIC_ONLY_SETUP_KEYS = {"accelerator", "devices", "num_nodes", "strategy", "precision"}
+
+
+def _train_both(build, method: str, tmp_path: Path, **kwargs: Any):
+    """Train the same model with flair's trainer and with FabricTrainer(devices=1); return both sides."""
+    sides = {}
+    for name, trainer_class, extra in (
+        ("flair", ModelTrainer, {}),
+        ("fabric", FabricTrainer, {"accelerator": "cpu", "devices": 1}),
+    ):
+        model, corpus = build()
+        recorder = EventRecorder()
+        flair.set_seed(11)
+        trainer = trainer_class(model, corpus)
+        plugins = [MetricHistoryPlugin(), recorder]
+        result = getattr(trainer, method)(tmp_path / name, plugins=plugins, **kwargs, **extra)
+        sides[name] = (model, result, recorder.events, tmp_path / name)
+    return sides
+
+
+def _assert_close(a: float, b: float, rel: float = 1e-6) -> None:
+    assert math.isclose(a, b, rel_tol=rel, abs_tol=1e-9), (a, b)
+
+
+def _assert_same_events(flair_events: list, fabric_events: list) -> None:
+    assert [name for name, _ in flair_events] == [name for name, _ in fabric_events]
+    for (name, expected), (_, actual) in zip(flair_events, fabric_events, strict=True):
+        if name == "after_setup":
+            assert set(actual) - set(expected) == FABRIC_ONLY_SETUP_KEYS
+            expected = {k: v for k, v in expected.items() if not str(v).startswith("<")}
+            actual = {k: v for k, v in actual.items() if k in expected}
+        assert expected.keys() == actual.keys(), name
+        for key, value in expected.items():
+            if isinstance(value, float) and isinstance(actual[key], float):
+                _assert_close(value, actual[key])
+            else:
+                assert value == actual[key], (name, key)
+
+
+def test_text_classifier_matches_flair_train(tmp_path: Path) -> None:
+    def build():
+        corpus = small_trec()
+        return tiny_text_classifier(corpus), corpus
+
+    sides = _train_both(build, "train", tmp_path, max_epochs=3, mini_batch_size=8, learning_rate=0.1)
+    (flair_model, flair_result, flair_events, flair_dir) = sides["flair"]
+    (fabric_model, fabric_result, fabric_events, fabric_dir) = sides["fabric"]
+
+    assert len(flair_result["train_loss_history"]) == 3
+    for expected, actual in zip(flair_result["train_loss_history"], fabric_result["train_loss_history"], strict=True):
+        _assert_close(expected, actual)
+    assert flair_result["test_score"] == fabric_result["test_score"]
+    assert state_dict_difference(flair_model.state_dict(), fabric_model.state_dict()) <= 1e-6
+    _assert_same_events(flair_events, fabric_events)
+    assert (fabric_dir / "best-model.pt").exists() and (fabric_dir / "final-model.pt").exists()
+    assert (flair_dir / "dev.tsv").read_bytes() == (fabric_dir / "dev.tsv").read_bytes()
+    assert (flair_dir / "test.tsv").read_bytes() == (fabric_dir / "test.tsv").read_bytes()
+
+
+def test_sequence_tagger_matches_flair_fine_tune(tmp_path: Path) -> None:
+    def build():
+        corpus = small_wnut(tmp_path / "wnut")
+        return tiny_sequence_tagger(corpus), corpus
+
+    sides = _train_both(
+        build,
+        "fine_tune",
+        tmp_path,
+        max_epochs=2,
+        mini_batch_size=8,
+        mini_batch_chunk_size=3,
+        learning_rate=0.01,
+        embeddings_storage_mode="cpu",
+    )
+    (flair_model, flair_result, flair_events, _) = sides["flair"]
+    (fabric_model, fabric_result, fabric_events, _) = sides["fabric"]
+
+    for expected, actual in zip(flair_result["train_loss_history"], fabric_result["train_loss_history"], strict=True):
+        _assert_close(expected, actual)
+    assert state_dict_difference(flair_model.state_dict(), fabric_model.state_dict()) <= 1e-6
+    _assert_same_events(flair_events, fabric_events)
+
+
+def test_saved_model_loads_with_flair(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    FabricTrainer(model, corpus).train(tmp_path, max_epochs=1, mini_batch_size=8, accelerator="cpu", devices=1)
+    loaded = flair.models.TextClassifier.load(tmp_path / "final-model.pt")
+    assert state_dict_difference(loaded.state_dict(), model.state_dict()) == 0.0
+    assert loaded.model_card["training_parameters"]["devices"] == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_one_cpu(tmp_path: Path, precision: str) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = FabricTrainer(model, corpus).train(
+        tmp_path, max_epochs=1, mini_batch_size=8, accelerator="cpu", devices=1, precision=precision
+    )
+    assert state_dict_difference(before, model.state_dict()) > 0
+    assert 0.0 <= result["test_score"] <= 1.0
+    assert torch.isfinite(torch.cat([p.float().flatten() for p in model.parameters()])).all()

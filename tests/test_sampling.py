@@ -1,0 +1,78 @@
+"""The per-rank train batches: every data point once per epoch, equal step counts, flair's order semantics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from flair.samplers import FlairSampler
+
+from flair_fabric.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
+
+
+def _all_batches(order: list[int], world_size: int, batch_size: int) -> list[list[list[int]]]:
+    return [
+        list(ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=batch_size))
+        for rank in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 9, 20, 21, 22, 23, 101])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch_size", [1, 2, 4, 5])
+def test_every_point_once_and_same_number_of_steps(size: int, world_size: int, batch_size: int) -> None:
+    order = list(range(size))
+    if size < world_size:
+        with pytest.raises(ValueError, match="every process needs at least one"):
+            ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size)
+        return
+    per_rank = _all_batches(order, world_size, batch_size)
+    seen = sorted(index for batches in per_rank for batch in batches for index in batch)
+    assert seen == order
+    assert {len(batches) for batches in per_rank} == {steps_per_epoch(size, batch_size, world_size)}
+    assert all(1 <= len(batch) <= batch_size + 1 for batches in per_rank for batch in batches)
+
+
+def test_union_of_rank_batches_is_the_single_process_batch() -> None:
+    order = random.Random(0).sample(range(40), 40)
+    per_rank = _all_batches(order, world_size=2, batch_size=5)
+    for step in range(4):
+        union = sorted(per_rank[0][step] + per_rank[1][step])
+        assert union == sorted(order[step * 10 : (step + 1) * 10])
+
+
+def test_shuffled_order_is_shared_by_ranks_and_changes_per_epoch() -> None:
+    torch.manual_seed(1)
+    first = epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=0)
+    torch.manual_seed(2)  # another rank's generator state must not matter
+    assert epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=0) == first
+    assert epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=1) != first
+    assert sorted(first) == list(range(50))
+    assert epoch_order(5, shuffle=False, sampler=None, seed=5, epoch=3) == [0, 1, 2, 3, 4]
+
+
+class _ShuffledBlocks(FlairSampler):
+    """A flair sampler drawing from Python's and torch's global generators (flair's own samplers call
+    ``Sampler.__init__(None)``, which this PyTorch rejects)."""
+
+    def __iter__(self):
+        blocks = [list(range(i, min(i + 3, self.num_samples))) for i in range(0, self.num_samples, 3)]
+        random.shuffle(blocks)
+        flip = bool(torch.randint(0, 2, (1,)).item())
+        order = [i for block in blocks for i in (reversed(block) if flip else block)]
+        return iter(order)
+
+
+def test_flair_sampler_draws_the_same_order_on_every_rank_and_leaves_generators_alone() -> None:
+    sampler = _ShuffledBlocks()
+    sampler.set_dataset(list(range(30)))
+    random.seed(123)
+    python_state = random.getstate()
+    torch_state = torch.get_rng_state()
+    first = epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0)
+    assert random.getstate() == python_state
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    random.seed(999)  # another rank
+    assert epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0) == first
+    assert sorted(first) == list(range(30))
