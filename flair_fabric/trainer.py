@@ -23,7 +23,7 @@ import flair
 import torch
 from flair.data import Corpus, _len_dataset
 from flair.trainers import ModelTrainer
-from flair.trainers.plugins import MetricRecord
+from flair.trainers.plugins import MetricRecord, TrainingInterrupt
 from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
 from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule
@@ -223,8 +223,22 @@ class FabricTrainer(ModelTrainer):
         load_from_global_zero(self.fabric, self.model, model_file)
 
     def _run(self, fabric: Fabric, a: SimpleNamespace, fabric_args: dict) -> dict:
-        exclude_labels = a.exclude_labels if a.exclude_labels is not None else []
-        a.exclude_labels = exclude_labels
+        run, plugins, parameters = self._set_up_run(fabric, a, fabric_args)
+        with contextlib.ExitStack() as context_stack:
+            self.context_stack = context_stack
+            self.dispatch("after_setup", **parameters)
+            self._log_setup(run, plugins)
+            self._train_epochs(run)
+            self._test_final_model(run)
+
+        self.dispatch("after_training")
+        return_values = fabric.broadcast(self.return_values, src=0)
+        self.reset_training_attributes()
+        return return_values
+
+    def _set_up_run(self, fabric: Fabric, a: SimpleNamespace, fabric_args: dict) -> tuple[_RunState, list, dict]:
+        """flair's set-up, in flair's order: plugins, model card, data, evaluation splits, model and optimizer."""
+        a.exclude_labels = a.exclude_labels if a.exclude_labels is not None else []
         base_path = Path(a.base_path)
         base_path.mkdir(exist_ok=True, parents=True)
 
@@ -244,9 +258,8 @@ class FabricTrainer(ModelTrainer):
             epoch=a.epoch,
         )
 
-        kwargs: dict = a.kwargs
         training_parameters = {**vars(a), "base_path": base_path, "plugins": plugins, **fabric_args}
-        training_parameters.update(kwargs)
+        training_parameters.update(a.kwargs)
         self.model.model_card = self._initialize_model_card(**training_parameters)
 
         train_data = self._get_train_data(train_with_dev=a.train_with_dev, train_with_test=a.train_with_test)
@@ -260,20 +273,11 @@ class FabricTrainer(ModelTrainer):
             evaluation_splits["test"] = self.corpus.test
         if a.monitor_train_sample > 0.0:
             evaluation_splits["train_sample"] = self._sample_train_split(a.monitor_train_sample)
-
         determine_best_epoch_using_dev_score = bool(not a.train_with_dev and self.corpus.dev)
 
-        # placement and DDP wrapping, then the optimizer over the wrapped parameters
-        fabric.to_device(self.model)
-        probe = [train_data[i] for i in range(min(a.mini_batch_size, dataset_size))]
-        resolve_unused_parameters(fabric, self.model, probe)
-        module = fabric.setup_module(self.model)
-        module.mark_forward_method("forward_loss")
-        kwargs["lr"] = a.learning_rate
-        self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, kwargs))
+        module = self._set_up_model_and_optimizer(fabric, a, train_data)
 
-        sampler = a.sampler
-        shuffle = a.shuffle
+        sampler, shuffle = a.sampler, a.shuffle
         if sampler is not None:
             if isinstance(sampler, type):
                 sampler = sampler()
@@ -301,55 +305,53 @@ class FabricTrainer(ModelTrainer):
             save_best_model=not a.train_with_dev and not a.use_final_model_for_eval,
             precision=fabric_args["precision"],
         )
+        return run, plugins, parameters
 
-        with contextlib.ExitStack() as context_stack:
-            self.context_stack = context_stack
-            self.dispatch("after_setup", **parameters)
-            self._log_setup(run, plugins, len(train_data))
+    def _set_up_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace, train_data: Dataset) -> _FabricModule:
+        """Place and wrap the model (DDP decides about unused parameters first), then build the optimizer."""
+        fabric.to_device(self.model)
+        probe = [train_data[i] for i in range(min(a.mini_batch_size, _len_dataset(train_data)))]
+        resolve_unused_parameters(fabric, self.model, probe)
+        module = fabric.setup_module(self.model)
+        module.mark_forward_method("forward_loss")
+        a.kwargs["lr"] = a.learning_rate
+        self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs))
+        return module
 
-            try:
-                for epoch in range(a.epoch + 1, a.max_epochs + 1):
-                    train_loss, lr_info = self._train_epoch(run, epoch)
-                    log_line(log)
-                    log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
-                    self.dispatch("after_training_epoch", epoch=epoch)
-                    self._evaluate_epoch(run, epoch, train_loss)
-
-                self.dispatch("after_training_loop")
-                if a.save_final_model:
-                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
-
-            except KeyboardInterrupt:
+    def _train_epochs(self, run: _RunState) -> None:
+        """flair's epoch loop with its interrupt handling; final-model.pt is written once."""
+        a = run.args
+        final_model = run.base_path / "final-model.pt"
+        try:
+            for epoch in range(a.epoch + 1, a.max_epochs + 1):
+                train_loss, lr_info = self._train_epoch(run, epoch)
                 log_line(log)
+                log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
+                self.dispatch("after_training_epoch", epoch=epoch)
+                self._evaluate_epoch(run, epoch, train_loss)
+
+            self.dispatch("after_training_loop")
+            if a.save_final_model:
+                self._save_model(final_model, checkpoint=a.save_optimizer_state)
+
+        except (KeyboardInterrupt, TrainingInterrupt) as stop:
+            log_line(log)
+            if isinstance(stop, TrainingInterrupt):
+                log.info(str(stop))
+                log_line(log)
+            else:
                 log.info("Exiting from training early.")
-                self.dispatch("training_interrupt")
-                if a.save_final_model:
-                    log.info("Saving model ...")
-                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
-                log.info("Done.")
+            self.dispatch("training_interrupt")
+            if a.save_final_model:
+                log.info("Saving model ...")
+                self._save_model(final_model, checkpoint=a.save_optimizer_state)
+            log.info("Done.")
 
-            except flair.trainers.plugins.TrainingInterrupt as exc:
-                log_line(log)
-                log.info(str(exc))
-                log_line(log)
-                self.dispatch("training_interrupt")
-                if a.save_final_model:
-                    log.info("Saving model ...")
-                    self._save_model(base_path / "final-model.pt", checkpoint=a.save_optimizer_state)
-                log.info("Done.")
-
-            except Exception:
-                self.dispatch("_training_exception")
-                raise
-            finally:
-                self.dispatch("_training_finally")
-
-            self._test_final_model(run)
-
-        self.dispatch("after_training")
-        return_values = fabric.broadcast(self.return_values, src=0)
-        self.reset_training_attributes()
-        return return_values
+        except Exception:
+            self.dispatch("_training_exception")
+            raise
+        finally:
+            self.dispatch("_training_finally")
 
     def _make_optimizer(
         self, optimizer_class: type[torch.optim.Optimizer], decoder_learning_rate: float | None, kwargs: dict
@@ -368,7 +370,7 @@ class FabricTrainer(ModelTrainer):
         )
         return optimizer_class(params=params, **kwargs)
 
-    def _log_setup(self, run: _RunState, plugins: list, train_size: int) -> None:
+    def _log_setup(self, run: _RunState, plugins: list) -> None:
         a, fabric = run.args, run.fabric
         final_eval_info = (
             "model after last epoch (final-model.pt)"
@@ -380,7 +382,7 @@ class FabricTrainer(ModelTrainer):
         log_line(log)
         log.info(f"{self.corpus}")
         log_line(log)
-        log.info(f"Train:  {train_size} sentences")
+        log.info(f"Train:  {_len_dataset(run.train_data)} sentences")
         log.info(f"        (train_with_dev={a.train_with_dev}, train_with_test={a.train_with_test})")
         log_line(log)
         log.info("Training Params:")
