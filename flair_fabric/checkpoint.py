@@ -20,10 +20,17 @@ def save_model_atomically(model: flair.nn.Model, path: str | Path, checkpoint: b
     os.close(descriptor)
     try:
         model.save(temporary, checkpoint=checkpoint)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a model file gets the usual permissions
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
 
 
 def save_on_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path, checkpoint: bool) -> None:

@@ -126,3 +126,12 @@ def test_bf16_on_one_cpu(tmp_path: Path, precision: str) -> None:
     assert state_dict_difference(before, model.state_dict()) > 0
     assert 0.0 <= result["test_score"] <= 1.0
     assert torch.isfinite(torch.cat([p.float().flatten() for p in model.parameters()])).all()
+
+
+def test_model_files_get_the_same_permissions_as_flairs(tmp_path: Path) -> None:
+    corpus = small_trec()
+    ModelTrainer(tiny_text_classifier(corpus), corpus).train(tmp_path / "flair", max_epochs=1)
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(tmp_path / "fabric", max_epochs=1, accelerator="cpu")
+    for name in ("final-model.pt", "best-model.pt"):
+        flair_mode = (tmp_path / "flair" / name).stat().st_mode
+        assert (tmp_path / "fabric" / name).stat().st_mode == flair_mode, name

@@ -1,0 +1,552 @@
+"""flair-fabric benchmarks: ``make bench`` (about 10 minutes on 2 CPU cores) or ``--quick`` (about 2 minutes).
+
+1. overhead_one_device: FabricTrainer(devices=1) vs flair's ModelTrainer, training time per epoch.
+2. ddp_vs_flair_native: FabricTrainer(devices=2) vs flair's own multi_gpu=True on 2 CPU processes, samples/s.
+3. find_unused_parameters: FabricTrainer(devices=2) with DDP's unused-parameter search forced on vs off.
+
+Every measurement runs in fresh worker processes (``worker.py``); results go to ``<out-dir>/<name>.json`` and a
+table to ``<out-dir>/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "worker.py"
+
+NATIVE_SHIM = (
+    "flair's multi_gpu=True calls DistributedDataParallel(model, device_ids=[flair.device.index], "
+    "find_unused_parameters=True); on CPU that is device_ids=[None], which torch rejects. Inside the benchmark's "
+    "flair-native worker only, flair.trainers.trainer.DistributedDataParallel is replaced by a function that drops "
+    "device_ids=[None] (device_ids=None) and passes everything else unchanged. The benchmark starts the processes "
+    "itself (torch.multiprocessing.spawn, init_process_group('gloo') on a free port, flair.device=cpu): flair's own "
+    "launch_distributed() does the same but supports only CUDA/NCCL."
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model's sizes for one section."""
+
+    model: str
+    train_size: int
+    batch_size: int
+    epochs: int
+    learning_rate: float
+    reps: int
+
+    def worker_args(self) -> list[str]:
+        return [
+            f"--model={self.model}",
+            f"--train-size={self.train_size}",
+            f"--batch-size={self.batch_size}",
+            f"--epochs={self.epochs}",
+            f"--learning-rate={self.learning_rate}",
+            f"--reps={self.reps}",
+        ]
+
+
+RNN_LR = 0.1
+MINILM_LR = 5e-5
+
+# (overhead jobs, ddp jobs with their number of launches per trainer, find_unused job and its launches)
+PLANS: dict[str, dict[str, Any]] = {
+    "full": {
+        "overhead": [Job("rnn", 2048, 16, 1, RNN_LR, 8), Job("minilm", 192, 16, 1, MINILM_LR, 4)],
+        "ddp": [(Job("rnn", 2048, 16, 2, RNN_LR, 3), 2), (Job("minilm", 256, 16, 1, MINILM_LR, 3), 2)],
+        "find_unused": (Job("rnn", 2048, 16, 2, RNN_LR, 4), 2),
+    },
+    "quick": {
+        "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],
+        "ddp": [(Job("rnn", 512, 16, 1, RNN_LR, 1), 1), (Job("minilm", 128, 16, 1, MINILM_LR, 1), 1)],
+        "find_unused": (Job("rnn", 512, 16, 1, RNN_LR, 2), 1),
+    },
+}
+
+MODEL_DESCRIPTIONS = {
+    "rnn": "TextClassifier(DocumentRNNEmbeddings([OneHotEmbeddings.from_corpus(min_freq=1, 64 dims)], GRU 64)), "
+    "trainer.train (SGD)",
+    "minilm": "TextClassifier(TransformerDocumentEmbeddings(all-MiniLM-L6-v2, fine_tune=True)), "
+    "trainer.fine_tune (AdamW, linear schedule)",
+}
+
+
+# --- running workers --------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """Starts worker processes with one environment and collects their JSON output."""
+
+    def __init__(self, threads: int, timeout: float, work_dir: Path, verbose: bool) -> None:
+        self.threads = threads
+        self.timeout = timeout
+        self.work_dir = work_dir
+        self.verbose = verbose
+        self.count = 0
+
+    def run(self, mode: str, job: Job, extra: list[str] | None = None) -> dict[str, Any]:
+        self.count += 1
+        out = self.work_dir / f"{self.count:02d}-{mode}-{job.model}.json"
+        log_path = out.with_suffix(".log")
+        command = [sys.executable, str(WORKER), mode, *job.worker_args(), f"--out={out}", *(extra or [])]
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+        env.pop("LOCAL_RANK", None)  # a worker that sees LOCAL_RANK would not start its own processes
+        started = time.perf_counter()
+        with log_path.open("w", encoding="utf-8") as log_file:
+            process = subprocess.Popen(
+                command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                process.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and the ranks it started, nothing else
+                process.wait()
+        wall = time.perf_counter() - started
+        log_text = log_path.read_text(encoding="utf-8", errors="replace")
+        progress = [line for line in log_text.splitlines() if line.startswith(("[overhead ", "[fabric ", "[native "))]
+        for line in progress if self.verbose else progress[-1:]:
+            print(f"    {line}", flush=True)
+        if process.returncode != 0 or not out.exists():
+            tail = "\n".join(log_text.splitlines()[-40:])
+            raise RuntimeError(f"worker failed (exit {process.returncode}): {' '.join(command)}\n{tail}")
+        result = json.loads(out.read_text(encoding="utf-8"))
+        result["process_wall_seconds"] = round(wall, 1)
+        return result
+
+
+# --- statistics ---------------------------------------------------------------------------------------------------
+
+
+def rep_seconds(run: dict[str, Any], key: str = "epoch_seconds") -> float:
+    return float(sum(run[key]))
+
+
+def epoch_samples_per_second(runs: list[dict[str, Any]], train_size: int) -> list[float]:
+    """Global training data points of one epoch / that epoch's training time on rank 0, for every epoch."""
+    return [train_size / seconds for run in runs for seconds in run["epoch_seconds"]]
+
+
+def r(value: float, digits: int = 4) -> float:
+    return round(value, digits)
+
+
+# --- sections -----------------------------------------------------------------------------------------------------
+
+
+def overhead_section(runner: Runner, jobs: list[Job]) -> dict[str, Any]:
+    models = {}
+    for job in jobs:
+        print(f"  overhead, one device: {job.model}, {job.train_size} questions, {job.reps} pairs", flush=True)
+        result = runner.run("overhead", job)
+        fabric = [run for run in result["runs"] if run["trainer"] == "fabric"]
+        flair = [run for run in result["runs"] if run["trainer"] == "flair"]
+        ratios = [rep_seconds(a) / rep_seconds(b) for a, b in zip(fabric, flair, strict=True)]
+        cpu_ratios = [
+            rep_seconds(a, "epoch_cpu_seconds") / rep_seconds(b, "epoch_cpu_seconds")
+            for a, b in zip(fabric, flair, strict=True)
+        ]
+        fabric_s = [rep_seconds(run) for run in fabric]
+        flair_s = [rep_seconds(run) for run in flair]
+        models[job.model] = {
+            "model": MODEL_DESCRIPTIONS[job.model],
+            "sizes": {
+                "train_size": job.train_size,
+                "mini_batch_size": job.batch_size,
+                "epochs_per_run": job.epochs,
+                "steps_per_epoch": -(-job.train_size // job.batch_size),
+                "learning_rate": job.learning_rate,
+                "pairs": job.reps,
+            },
+            "torch_threads": result["torch_threads_per_process"],
+            "summary": {
+                "median_ratio_fabric_over_flair": r(statistics.median(ratios)),
+                "ratio_of_fastest_runs": r(min(fabric_s) / min(flair_s)),
+                "median_cpu_time_ratio": r(statistics.median(cpu_ratios)),
+                "fabric_median_seconds": r(statistics.median(fabric_s)),
+                "flair_median_seconds": r(statistics.median(flair_s)),
+                "goal": "median ratio <= 1.02",
+                "meets_goal": statistics.median(ratios) <= 1.02,
+            },
+            "pair_ratios": [r(x) for x in ratios],
+            "runs": result["runs"],
+            "process_wall_seconds": result["process_wall_seconds"],
+        }
+        summary = models[job.model]["summary"]
+        print(
+            f"    -> fabric/flair median ratio {summary['median_ratio_fabric_over_flair']:.3f}"
+            f" (fastest runs {summary['ratio_of_fastest_runs']:.3f}, CPU time {summary['median_cpu_time_ratio']:.3f})",
+            flush=True,
+        )
+    return {
+        "what": "Training time of an epoch (before_training_epoch to after_training_epoch, wall clock, measured by "
+        "the same TrainerPlugin in both trainers) with FabricTrainer(accelerator='cpu', devices=1) and with flair's "
+        "own flair.trainers.ModelTrainer, same seeded model, same data in the same order (shuffle=False), no dev/test "
+        "split, no model files. Both trainers run in one process, interleaved A,B,B,A,... after one untimed warm-up "
+        "run each; ratio = FabricTrainer seconds / ModelTrainer seconds of the two runs of a pair; the median over "
+        "pairs is reported. CPU time (time.process_time) ratio is a cross-check less sensitive to other load.",
+        "models": models,
+    }
+
+
+def ddp_section(runner: Runner, jobs: list[tuple[Job, int]], devices: int) -> dict[str, Any]:
+    models = {}
+    for job, launches in jobs:
+        print(
+            f"  {devices} ranks, FabricTrainer vs flair multi_gpu: {job.model}, {job.train_size} questions,"
+            f" {launches} launch(es) x {job.reps} run(s) each",
+            flush=True,
+        )
+        fabric_variants = "auto,true" if job.model == "rnn" else "auto"
+        fabric_runs: list[dict[str, Any]] = []
+        native_runs: list[dict[str, Any]] = []
+        launch_ratios = []
+        for launch in range(launches):
+            order = ("fabric", "native") if launch % 2 == 0 else ("native", "fabric")
+            launch_sps = {}
+            for which in order:
+                if which == "fabric":
+                    extra = [
+                        f"--devices={devices}",
+                        f"--variants={fabric_variants}",
+                        f"--base-path={runner.work_dir / 'fabric-base'}",
+                    ]
+                    runs = runner.run("fabric", job, extra)["runs"]
+                    for run in runs:
+                        run["launch"] = launch
+                    fabric_runs += runs
+                    auto = [run for run in runs if run["variant"] == "auto"]
+                    launch_sps[which] = statistics.median(epoch_samples_per_second(auto, job.train_size))
+                else:
+                    runs = runner.run("native", job, [f"--devices={devices}"])["runs"]
+                    for run in runs:
+                        run["launch"] = launch
+                    native_runs += runs
+                    launch_sps[which] = statistics.median(epoch_samples_per_second(runs, job.train_size))
+            launch_ratios.append(launch_sps["fabric"] / launch_sps["native"])
+
+        native_sps = statistics.median(epoch_samples_per_second(native_runs, job.train_size))
+        variants: dict[str, Any] = {}
+        for variant in fabric_variants.split(","):
+            runs = [run for run in fabric_runs if run["variant"] == variant]
+            sps = statistics.median(epoch_samples_per_second(runs, job.train_size))
+            variants[variant] = {
+                "strategy": "'auto' (default)"
+                if variant == "auto"
+                else "FlairDDPStrategy(find_unused_parameters=True)",
+                "find_unused_parameters_used": sorted({run["find_unused_parameters"] for run in runs}),
+                "median_samples_per_second": r(sps, 2),
+                "ratio_over_flair_native": r(sps / native_sps),
+            }
+        models[job.model] = {
+            "model": MODEL_DESCRIPTIONS[job.model],
+            "sizes": {
+                "train_size": job.train_size,
+                "mini_batch_size_per_process": job.batch_size,
+                "global_batch_size": job.batch_size * devices,
+                "epochs_per_run": job.epochs,
+                "steps_per_epoch_per_rank": -(-job.train_size // (job.batch_size * devices)),
+                "learning_rate": job.learning_rate,
+                "launches_per_trainer": launches,
+                "runs_per_launch": job.reps,
+            },
+            "summary": {
+                "flair_native_median_samples_per_second": r(native_sps, 2),
+                "fabric": variants,
+                "median_ratio_fabric_auto_over_native": variants["auto"]["ratio_over_flair_native"],
+                "launch_ratios_fabric_auto_over_native": [r(x) for x in launch_ratios],
+                "goal": "ratio >= 1.0 (FabricTrainer at least as fast)",
+                "meets_goal": variants["auto"]["ratio_over_flair_native"] >= 1.0,
+            },
+            "fabric_runs": fabric_runs,
+            "native_runs": native_runs,
+        }
+        print(
+            f"    -> samples/s: fabric {variants['auto']['median_samples_per_second']:.1f}"
+            f" (find_unused={variants['auto']['find_unused_parameters_used']}),"
+            f" flair native {native_sps:.1f}, ratio {variants['auto']['ratio_over_flair_native']:.3f}",
+            flush=True,
+        )
+    return {
+        "what": f"Global training throughput on {devices} CPU processes (gloo): training data points of an epoch / "
+        "that epoch's training time on rank 0 (same TrainerPlugin in both), median over all timed epochs. "
+        "FabricTrainer(accelerator='cpu', devices=2) is started as a script that Fabric relaunches; flair's "
+        "ModelTrainer.train/fine_tune(multi_gpu=True) runs in 2 processes started by the benchmark. Same seeded "
+        "model, same mini_batch_size per process (same global batch), shuffle=False (both trainers then give each "
+        "rank the same batches), no dev/test split. Launches alternate fabric/native; each launch does one untimed "
+        "warm-up run, then the timed runs. flair native always uses find_unused_parameters=True; for the RNN, "
+        "FabricTrainer is also measured with find_unused_parameters=True forced, the like-for-like comparison.",
+        "shim": NATIVE_SHIM,
+        "models": models,
+    }
+
+
+def find_unused_section(runner: Runner, job: Job, launches: int, devices: int) -> dict[str, Any]:
+    print(
+        f"  find_unused_parameters True vs False, {devices} ranks: {job.model}, {job.train_size} questions,"
+        f" {launches} launch(es) x {job.reps} run(s) per setting",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    for launch in range(launches):
+        variants = "true,false,auto" if launch % 2 == 0 else "false,true,auto"
+        extra = [f"--devices={devices}", f"--variants={variants}", f"--base-path={runner.work_dir / 'fabric-base'}"]
+        launch_runs = runner.run("fabric", job, extra)["runs"]
+        for run in launch_runs:
+            run["launch"] = launch
+        runs += launch_runs
+    sps = {
+        variant: statistics.median(
+            epoch_samples_per_second([x for x in runs if x["variant"] == variant], job.train_size)
+        )
+        for variant in ("true", "false", "auto")
+    }
+    auto_choice = sorted({run["find_unused_parameters"] for run in runs if run["variant"] == "auto"})
+    paired = []
+    for launch in range(launches):
+        for rep in range(job.reps):
+            pair = {x["variant"]: x for x in runs if x["launch"] == launch and x["rep"] == rep}
+            paired.append(rep_seconds(pair["true"]) / rep_seconds(pair["false"]))
+    summary = {
+        "median_samples_per_second_find_unused_true": r(sps["true"], 2),
+        "median_samples_per_second_find_unused_false": r(sps["false"], 2),
+        "median_samples_per_second_auto": r(sps["auto"], 2),
+        "ratio_false_over_true": r(sps["false"] / sps["true"]),
+        "median_paired_time_ratio_true_over_false": r(statistics.median(paired)),
+        "auto_resolved_find_unused_parameters_to": auto_choice,
+    }
+    print(
+        f"    -> samples/s: find_unused=False {sps['false']:.1f}, True {sps['true']:.1f}"
+        f" (False/True {summary['ratio_false_over_true']:.3f}); 'auto' chose {auto_choice}",
+        flush=True,
+    )
+    return {
+        "what": f"FabricTrainer(accelerator='cpu', devices={devices}) with strategy=FlairDDPStrategy("
+        "find_unused_parameters=True) vs FlairDDPStrategy(find_unused_parameters=False) and the default 'auto', on a "
+        "model in which every parameter gets a gradient. Throughput as in ddp_vs_flair_native (rank 0, median over "
+        "timed epochs). The settings alternate inside each launch (order rotated from run to run) after one untimed "
+        "warm-up run; 'auto' probes the model once and should choose False here.",
+        "model": MODEL_DESCRIPTIONS[job.model],
+        "sizes": {
+            "train_size": job.train_size,
+            "mini_batch_size_per_process": job.batch_size,
+            "epochs_per_run": job.epochs,
+            "learning_rate": job.learning_rate,
+            "launches": launches,
+            "runs_per_setting_per_launch": job.reps,
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """Machine and versions, read in a child process so that this one never imports torch."""
+    code = "import json, common; print(json.dumps(common.machine()))"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    output = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def shown(values: list[Any]) -> str:
+    return str(values[0]) if len(values) == 1 else "/".join(str(v) for v in values)
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """The README table, from the results as written to the JSON files."""
+    first = next(iter(results.values()))
+    machine, mode = first["machine"], first["mode"]
+    lines = [
+        "# flair-fabric benchmarks",
+        "",
+        f"`benchmarks/run.py{' --quick' if mode == 'quick' else ''}`, finished {first['finished_utc']},"
+        f" {first['bench_wall_seconds'] / 60:.1f} min. Machine: {machine['cpu_count']} CPUs ({machine['processor']}),"
+        f" no GPU; torch {machine['torch']}, flair {machine['flair']}, lightning {machine['lightning']},"
+        f" transformers {machine['transformers']}, Python {machine['python']};"
+        f" {first['torch_threads_per_process']} torch thread(s) per process (OMP_NUM_THREADS);"
+        f" load average (1/5/15 min) {machine['load_average_1_5_15']} at start,"
+        f" {first['load_average_1_5_15_at_end']} at end.",
+        "",
+        *(
+            ["**Quick mode: a smoke run with one or two repetitions of tiny workloads; the numbers mean little.**", ""]
+            if mode == "quick"
+            else []
+        ),
+        "Only the training part of each epoch is timed (one TrainerPlugin, before_training_epoch to"
+        " after_training_epoch, in both trainers); no dev/test evaluation, no model files; same seeded model and"
+        " same batches (shuffle=False) for both sides. Raw timings and the exact method: the JSON files next to this"
+        " one.",
+        "",
+    ]
+    if "overhead_one_device" in results:
+        lines += [
+            "## 1. One device: FabricTrainer(devices=1) vs flair's ModelTrainer (goal: ratio <= 1.02)",
+            "",
+            "| model | train size / batch | pairs (ABBA) | flair s/epoch | fabric s/epoch | median ratio fabric/flair"
+            " | fastest-run ratio | CPU-time ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, m in results["overhead_one_device"]["models"].items():
+            s, z = m["summary"], m["sizes"]
+            epochs = z["epochs_per_run"]
+            lines.append(
+                f"| {name} | {z['train_size']} / {z['mini_batch_size']} | {z['pairs']} |"
+                f" {s['flair_median_seconds'] / epochs:.3f} | {s['fabric_median_seconds'] / epochs:.3f} |"
+                f" **{s['median_ratio_fabric_over_flair']:.3f}** | {s['ratio_of_fastest_runs']:.3f} |"
+                f" {s['median_cpu_time_ratio']:.3f} |"
+            )
+        lines.append("")
+    if "ddp_vs_flair_native" in results:
+        section = results["ddp_vs_flair_native"]
+        lines += [
+            "## 2. Two CPU processes: FabricTrainer(devices=2) vs flair's own multi_gpu=True (goal: ratio >= 1.0)",
+            "",
+            "| model | train size / batch per process | runs each | flair native samples/s | FabricTrainer strategy"
+            " | find_unused_parameters | fabric samples/s | ratio fabric/native |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, m in section["models"].items():
+            s, z = m["summary"], m["sizes"]
+            runs = z["launches_per_trainer"] * z["runs_per_launch"]
+            for v in s["fabric"].values():
+                lines.append(
+                    f"| {name} | {z['train_size']} / {z['mini_batch_size_per_process']} | {runs} |"
+                    f" {s['flair_native_median_samples_per_second']:.1f} | {v['strategy']} |"
+                    f" {shown(v['find_unused_parameters_used'])} | {v['median_samples_per_second']:.1f} |"
+                    f" **{v['ratio_over_flair_native']:.3f}** |"
+                )
+        lines += [
+            "",
+            "flair native always runs DDP with find_unused_parameters=True."
+            " Per-launch ratios (fabric 'auto' / native): "
+            + "; ".join(
+                f"{name} {m['summary']['launch_ratios_fabric_auto_over_native']}"
+                for name, m in section["models"].items()
+            )
+            + ".",
+            "",
+            f"Shim (benchmark only): {section['shim']}",
+            "",
+        ]
+    if "find_unused_parameters" in results:
+        s = results["find_unused_parameters"]["summary"]
+        z = results["find_unused_parameters"]["sizes"]
+        lines += [
+            "## 3. DDP find_unused_parameters on a model without unused parameters (RNN, 2 CPU processes)",
+            "",
+            "| train size / batch per process | runs each | True samples/s | False samples/s | False/True"
+            " | default 'auto' chose |",
+            "|---|---|---|---|---|---|",
+            f"| {z['train_size']} / {z['mini_batch_size_per_process']} |"
+            f" {z['launches'] * z['runs_per_setting_per_launch']} |"
+            f" {s['median_samples_per_second_find_unused_true']:.1f} |"
+            f" {s['median_samples_per_second_find_unused_false']:.1f} | **{s['ratio_false_over_true']:.3f}** |"
+            f" {shown(s['auto_resolved_find_unused_parameters_to'])} |",
+            "",
+        ]
+    lines += [
+        "Timings on a shared or busy machine are noisy: rerun `make bench` on a quiet one before quoting them.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+SECTION_NAMES = ("overhead_one_device", "ddp_vs_flair_native", "find_unused_parameters")
+
+
+def write_readme(out_dir: Path) -> None:
+    """README.md from every section's JSON file in ``out_dir`` (so ``--only`` keeps the other sections)."""
+    found = [out_dir / f"{name}.json" for name in SECTION_NAMES if (out_dir / f"{name}.json").exists()]
+    if not found:
+        raise SystemExit(f"no results in {out_dir}: run the benchmarks first")
+    saved = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in found}
+    (out_dir / "README.md").write_text(markdown(saved), encoding="utf-8")
+    print(f"wrote {out_dir / 'README.md'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: a smoke run (~2 min)")
+    parser.add_argument(
+        "--out-dir", type=Path, help="default: benchmarks/results (benchmarks/results/quick with --quick)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=["overhead", "ddp", "find_unused"],
+        action="append",
+        help="run only these sections (README.md is rebuilt from all JSON files in the folder)",
+    )
+    parser.add_argument("--devices", type=int, default=2, help="processes for sections 2 and 3 (default: 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch threads per process (default: CPUs / 2)",
+    )
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per worker process (default: 900)")
+    parser.add_argument("--verbose", action="store_true", help="print every timed run")
+    parser.add_argument("--readme-only", action="store_true", help="rewrite README.md from the JSON files, run nothing")
+    args = parser.parse_args()
+
+    mode = "quick" if args.quick else "full"
+    plan = PLANS[mode]
+    out_dir = args.out_dir or (HERE / "results" / "quick" if args.quick else HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.readme_only:
+        write_readme(out_dir)
+        return
+    sections = args.only or ["overhead", "ddp", "find_unused"]
+    started = time.perf_counter()
+    machine = machine_info()
+    print(
+        f"flair-fabric benchmarks ({mode}): {machine['cpu_count']} CPUs, torch {machine['torch']}, flair"
+        f" {machine['flair']}, lightning {machine['lightning']}; {args.threads} thread(s) per process",
+        flush=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-bench-") as work_dir:
+        runner = Runner(args.threads, args.timeout, Path(work_dir), args.verbose)
+        if "overhead" in sections:
+            results["overhead_one_device"] = overhead_section(runner, plan["overhead"])
+        if "ddp" in sections:
+            results["ddp_vs_flair_native"] = ddp_section(runner, plan["ddp"], args.devices)
+        if "find_unused" in sections:
+            job, launches = plan["find_unused"]
+            results["find_unused_parameters"] = find_unused_section(runner, job, launches, args.devices)
+    wall = time.perf_counter() - started
+    common = {
+        "mode": mode,
+        "machine": machine,
+        "load_average_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+        "torch_threads_per_process": args.threads,
+        "bench_wall_seconds": r(wall, 1),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    results = {name: {"name": name, **common, **section} for name, section in results.items()}
+    for name, result in results.items():
+        path = out_dir / f"{name}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+    write_readme(out_dir)
+    print(f"benchmarks done in {wall / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

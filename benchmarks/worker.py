@@ -1,0 +1,231 @@
+"""One benchmark measurement in its own process(es); ``run.py`` starts it and reads the JSON it writes.
+
+    worker.py overhead ...   FabricTrainer(devices=1) and flair's ModelTrainer, interleaved in this one process
+    worker.py fabric ...     FabricTrainer(devices=N): Fabric relaunches this script, rank 0 writes the JSON
+    worker.py native ...     flair's own multi_gpu=True on N CPU processes (torch.multiprocessing + gloo)
+
+Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import flair
+import torch
+from common import EpochTimer, Workload, build_model, quiet_flair, run_flair_style, train_only_corpus
+from flair.trainers import ModelTrainer
+
+from flair_fabric import FabricTrainer, FlairDDPStrategy
+
+VARIANTS = ("auto", "true", "false")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["overhead", "fabric", "native"])
+    parser.add_argument("--model", choices=common.MODELS, required=True)
+    parser.add_argument("--train-size", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--learning-rate", type=float, required=True)
+    parser.add_argument("--reps", type=int, default=1, help="timed runs per trainer/variant in this process")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--variants", default="auto", help="fabric: comma-separated find_unused_parameters values")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--base-path", type=Path, help="fabric: training folder, the same on every rank (nothing is saved)"
+    )
+    return parser.parse_args()
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    return Workload(args.model, args.train_size, args.batch_size, args.epochs, args.learning_rate)
+
+
+def warmup_of(workload: Workload, world_size: int) -> Workload:
+    """One epoch of at most four batches per process: pays first-call costs outside the timed runs."""
+    size = min(workload.train_size, 4 * workload.batch_size * world_size)
+    return Workload(workload.model, size, workload.batch_size, 1, workload.learning_rate)
+
+
+def write(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def header(mode: str, workload: Workload, world_size: int) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        "workload": workload.to_dict(),
+        "world_size": world_size,
+        "torch_threads_per_process": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "runs": [],
+    }
+
+
+# --- one device: FabricTrainer vs ModelTrainer, interleaved --------------------------------------------------------
+
+
+def timings(timer: EpochTimer) -> dict[str, list[float]]:
+    return {"epoch_seconds": timer.epoch_seconds, "epoch_cpu_seconds": timer.epoch_cpu_seconds}
+
+
+def single_run(trainer_name: str, workload: Workload, base_path: str) -> dict[str, list[float]]:
+    corpus = train_only_corpus(workload.train_size)
+    model = build_model(workload.model, corpus)
+    timer = EpochTimer()
+    if trainer_name == "fabric":
+        run_flair_style(FabricTrainer(model, corpus), workload, timer, base_path, accelerator="cpu", devices=1)
+    else:
+        flair.device = torch.device("cpu")
+        run_flair_style(ModelTrainer(model, corpus), workload, timer, base_path)
+    return timings(timer)
+
+
+def overhead(args: argparse.Namespace) -> None:
+    workload = workload_of(args)
+    result = header("overhead", workload, 1)
+    with tempfile.TemporaryDirectory() as base_path:
+        for name in ("fabric", "flair"):
+            single_run(name, warmup_of(workload, 1), base_path)
+        for rep in range(args.reps):
+            order = ("fabric", "flair") if rep % 2 == 0 else ("flair", "fabric")  # ABBA: no side always goes first
+            for name in order:
+                times = single_run(name, workload, base_path)
+                result["runs"].append({"trainer": name, "rep": rep, **times})
+                print(f"[overhead {workload.model}] rep {rep} {name}: {sum(times['epoch_seconds']):.3f} s", flush=True)
+    write(args.out, result)
+
+
+# --- N processes: FabricTrainer -------------------------------------------------------------------------------------
+
+
+def strategy_for(variant: str) -> Any:
+    if variant == "auto":
+        return "auto"
+    return FlairDDPStrategy(find_unused_parameters=variant == "true")
+
+
+def fabric_run(
+    variant: str, workload: Workload, devices: int, base_path: str
+) -> tuple[FabricTrainer, dict[str, list[float]]]:
+    corpus = train_only_corpus(workload.train_size)
+    model = build_model(workload.model, corpus)
+    timer = EpochTimer()
+    trainer = FabricTrainer(model, corpus)
+    run_flair_style(
+        trainer, workload, timer, base_path, accelerator="cpu", devices=devices, strategy=strategy_for(variant)
+    )
+    return trainer, timings(timer)
+
+
+def fabric(args: argparse.Namespace) -> None:
+    """Runs on every rank (Fabric relaunches this script); only global rank 0 writes."""
+    workload = workload_of(args)
+    variants = args.variants.split(",")
+    if any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants takes a comma-separated subset of {VARIANTS}")
+    result = None
+    base_path = str(args.base_path or Path(tempfile.gettempdir()) / "flair-fabric-bench")
+    trainer, _ = fabric_run(variants[0], warmup_of(workload, args.devices), args.devices, base_path)
+    if trainer.is_global_zero:
+        result = header("fabric", workload, trainer.world_size)
+    for rep in range(args.reps):
+        shift = rep % len(variants)
+        for variant in variants[shift:] + variants[:shift]:  # rotate the order from one rep to the next
+            trainer, times = fabric_run(variant, workload, args.devices, base_path)
+            strategy = trainer.fabric.strategy if trainer.fabric is not None else None
+            if result is not None:
+                result["runs"].append(
+                    {
+                        "trainer": "fabric",
+                        "variant": variant,
+                        "find_unused_parameters": getattr(strategy, "find_unused_parameters", None),
+                        "rep": rep,
+                        **times,
+                    }
+                )
+                print(f"[fabric {workload.model} {variant}] rep {rep}: {sum(times['epoch_seconds']):.3f} s", flush=True)
+    if result is not None:
+        write(args.out, result)
+
+
+# --- N processes: flair's own multi_gpu=True ------------------------------------------------------------------------
+
+
+def cpu_ddp(
+    module: torch.nn.Module, device_ids: Any = None, **kwargs: Any
+) -> torch.nn.parallel.DistributedDataParallel:
+    """The benchmark's only change to flair: ``device_ids=[None]`` (flair passes ``[flair.device.index]``, which is
+    ``[None]`` on CPU and rejected by torch) becomes ``device_ids=None``. Every other argument is flair's own
+    (``find_unused_parameters=True``)."""
+    if device_ids is not None and all(d is None for d in device_ids):
+        device_ids = None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **kwargs)
+
+
+def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    import flair.trainers.trainer
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=args.devices)
+    try:
+        quiet_flair()
+        flair.device = torch.device("cpu")
+        flair.trainers.trainer.DistributedDataParallel = cpu_ddp  # type: ignore[attr-defined]
+        workload = workload_of(args)
+        result = header("native", workload, args.devices)
+        with tempfile.TemporaryDirectory() as base_path:
+            single = warmup_of(workload, args.devices)
+            _native_run(single, base_path)
+            for rep in range(args.reps):
+                times = _native_run(workload, base_path)
+                result["runs"].append({"trainer": "flair-native", "find_unused_parameters": True, "rep": rep, **times})
+                if rank == 0:
+                    print(f"[native {workload.model}] rep {rep}: {sum(times['epoch_seconds']):.3f} s", flush=True)
+        if rank == 0:
+            write(args.out, result)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _native_run(workload: Workload, base_path: str) -> dict[str, list[float]]:
+    corpus = train_only_corpus(workload.train_size)
+    model = build_model(workload.model, corpus)
+    timer = EpochTimer()
+    run_flair_style(ModelTrainer(model, corpus), workload, timer, base_path, multi_gpu=True)
+    return timings(timer)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def native(args: argparse.Namespace) -> None:
+    torch.multiprocessing.spawn(native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
+
+
+def main() -> None:
+    args = parse_args()
+    quiet_flair()
+    started = time.perf_counter()
+    {"overhead": overhead, "fabric": fabric, "native": native}[args.mode](args)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"[{args.mode} {args.model}] worker done in {time.perf_counter() - started:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
