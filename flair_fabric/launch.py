@@ -1,8 +1,10 @@
 """Turn Lightning's five arguments into a checked :class:`~lightning.fabric.Fabric` and start the processes.
 
 Every argument is checked here, once, before any process starts; each error names the argument and the fix.
-Processes are started by Fabric's own launchers: the script relaunch for ``strategy="ddp"`` in a script, nothing
-at all when the script was already started by ``torchrun`` (Fabric's cluster environments detect it).
+Processes are started by Fabric's own launchers: the script relaunch for ``strategy="ddp"``, spawned or forked
+workers for ``"ddp_spawn"`` and ``"ddp_fork"``/``"ddp_notebook"``, and nothing at all when ``torchrun`` or SLURM
+already started the script (Fabric's cluster environments detect it; ``devices``/``num_nodes`` are checked
+against them here, so a mismatch is an error and not a hang).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any
 
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.strategies import Strategy
 
-from flair_fabric.strategies import FlairDDPStrategy
+from flair_fabric.environment import ExternalLaunch, cuda_is_initialized, external_launch, is_interactive
+from flair_fabric.strategies import FlairDDPStrategy, StartMethod
 
 log = logging.getLogger("flair")
 
@@ -26,7 +28,13 @@ DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-STRATEGIES = ("auto", "ddp")
+STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+_START_METHOD: dict[str, StartMethod] = {
+    "ddp": "popen",
+    "ddp_spawn": "spawn",
+    "ddp_fork": "fork",
+    "ddp_notebook": "fork",
+}
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 _GPU_ONLY_PRECISIONS = ("16-mixed", "16-true")
 
@@ -74,16 +82,21 @@ def resolve_devices(devices: DevicesArgument, accelerator: str) -> int | list[in
     """Check ``devices`` and turn it into a count or a list of device indices."""
     available = available_device_count(accelerator)
     if devices == "auto":
-        if TorchElasticEnvironment.detect():
-            return int(os.environ["LOCAL_WORLD_SIZE"])
+        launched = external_launch()
+        if launched is not None:
+            return launched.devices
         return 1 if available is None else max(available, 1)
     if isinstance(devices, str):
         devices = _parse_devices_string(devices)
     if isinstance(devices, bool):
         raise ValueError(f"devices={devices!r} is not valid: pass a positive int, -1, 'auto' or a list of indices.")
+    if available is None and (devices == -1 or not isinstance(devices, int)):
+        raise ValueError(
+            f"devices={devices!r} selects GPUs; on CPU devices is the number of processes: pass e.g. devices=2."
+        )
     if isinstance(devices, int):
         if devices == -1:
-            return 1 if available is None else max(available, 1)
+            return max(available or 0, 1)
         if devices < 1:
             raise ValueError(
                 f"devices={devices} is not valid: pass a positive number of devices, -1 for all, or 'auto'."
@@ -106,7 +119,7 @@ def resolve_devices(devices: DevicesArgument, accelerator: str) -> int | list[in
             f"devices={count} asks for more {accelerator} devices than this machine has ({available}):"
             f" pass devices={available} or fewer, or accelerator='cpu'."
         )
-    if available is None and isinstance(devices, int) and count > (os.cpu_count() or 1):
+    if available is None and count > (os.cpu_count() or 1):
         log.warning(f"devices={count} starts more CPU processes than this machine has cores ({os.cpu_count()}).")
     return devices if isinstance(devices, int) else list(devices)
 
@@ -146,7 +159,11 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
 
 
 def resolve_strategy(strategy: StrategyArgument, world_size: int) -> StrategyArgument:
-    """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``."""
+    """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``.
+
+    ``"auto"`` picks what Lightning picks: no wrapper for one process, otherwise DDP, with forked workers in a
+    notebook or REPL (which cannot be relaunched) and the script relaunch elsewhere.
+    """
     if isinstance(strategy, Strategy):
         if not isinstance(strategy, FlairDDPStrategy):
             raise ValueError(
@@ -156,14 +173,50 @@ def resolve_strategy(strategy: StrategyArgument, world_size: int) -> StrategyArg
         return strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
-    if strategy == "auto" and world_size == 1 and not _launched_externally():
-        return "auto"
-    return FlairDDPStrategy()
+    if strategy == "auto":
+        if world_size == 1 and external_launch() is None:
+            return "auto"
+        if external_launch() is None and is_interactive():
+            return FlairDDPStrategy(start_method="fork")
+        return FlairDDPStrategy()
+    return FlairDDPStrategy(start_method=_START_METHOD[strategy])
 
 
-def _launched_externally() -> bool:
-    """True when torchrun (or another launcher that sets ``LOCAL_RANK``) already started this process."""
-    return TorchElasticEnvironment.detect() or "LOCAL_RANK" in os.environ
+def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None) -> None:
+    """Refuse process start-ups that cannot work here: a relaunch from a notebook, workers started by a script that
+    torchrun/SLURM already started, and forking after CUDA was initialised."""
+    if not isinstance(strategy, FlairDDPStrategy):
+        return
+    if launched is not None and strategy.starts_workers_in_train:
+        raise ValueError(
+            f"{launched.description}: the processes exist already, so strategy=... must not start more;"
+            " use strategy='ddp' or 'auto'."
+        )
+    if strategy.start_method == "popen" and launched is None and is_interactive():
+        raise ValueError(
+            "strategy='ddp' relaunches the running script once per device, which a notebook or REPL cannot do:"
+            " use strategy='ddp_notebook' (or 'auto') here, or run a script."
+        )
+    if strategy.start_method == "fork" and cuda_is_initialized():
+        raise RuntimeError(
+            "strategy='ddp_fork'/'ddp_notebook' cannot fork worker processes: CUDA is already initialised in this"
+            " process (flair moves new models to flair.device, cuda:0 by default). Set flair.device ="
+            " torch.device('cpu') (or FLAIR_DEVICE=cpu) before building the model and restart the kernel, or use"
+            " strategy='ddp_spawn' in a script."
+        )
+
+
+def check_external_launch(devices: int | list[int], num_nodes: int, launched: ExternalLaunch | None) -> None:
+    """``devices`` and ``num_nodes`` must match what torchrun or SLURM started, or every process would hang."""
+    if launched is None:
+        return
+    count = devices if isinstance(devices, int) else len(devices)
+    if count != launched.devices:
+        raise ValueError(
+            f"devices={devices!r}, but {launched.description}: pass devices={launched.devices} or devices='auto'."
+        )
+    if num_nodes != launched.num_nodes:
+        raise ValueError(f"num_nodes={num_nodes}, but {launched.description}: pass num_nodes={launched.num_nodes}.")
 
 
 def check_num_nodes(num_nodes: Any) -> int:
@@ -187,8 +240,11 @@ def make_launch_config(
     resolved_devices = resolve_devices(devices, concrete_accelerator)
     nodes = check_num_nodes(num_nodes)
     resolved_precision = resolve_precision(precision, use_amp, concrete_accelerator)
+    launched = external_launch()
+    check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
     resolved_strategy = resolve_strategy(strategy, count * nodes)
+    check_start_method(resolved_strategy, launched)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision)
 
 

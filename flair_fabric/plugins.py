@@ -15,6 +15,7 @@ from typing import Any
 
 from flair.optim import LinearSchedulerWithWarmup
 from flair.trainers.plugins import (
+    AnnealingPlugin,
     CheckpointPlugin,
     LinearSchedulerPlugin,
     LogFilePlugin,
@@ -24,6 +25,8 @@ from flair.trainers.plugins import (
     WeightExtractorPlugin,
 )
 from lightning.fabric import Fabric
+
+from flair_fabric.checkpoint import load_from_global_zero
 
 log = logging.getLogger("flair")
 
@@ -46,16 +49,53 @@ class ShardedLinearSchedulerPlugin(LinearSchedulerPlugin):
         self.store_learning_rate()
 
 
+class BroadcastRestartAnnealingPlugin(AnnealingPlugin):
+    """flair's anneal-on-plateau whose ``anneal_with_restarts`` takes the best model from rank 0.
+
+    flair's plugin reloads ``best-model.pt`` from disk on every rank; on a node that does not share rank 0's disk the
+    file is missing, the reload is silently skipped and the ranks' weights diverge. Here the reload goes through the
+    trainer, which reads the file on global rank 0 only and broadcasts the weights.
+    """
+
+    def __init__(self, *, restart_from_best: bool, **kwargs: Any) -> None:
+        super().__init__(anneal_with_restarts=False, **kwargs)
+        self.restart_from_best = restart_from_best
+
+    @TrainerPlugin.hook
+    def after_evaluation(self, current_model_is_best: bool, validation_scores: tuple, **kw: Any) -> None:
+        """flair's scheduler step; after a reduction of the learning rate, restart from the best model."""
+        before = list(self.current_learning_rate)
+        super().after_evaluation(current_model_is_best, validation_scores, **kw)
+        reduced = any(after < previous for after, previous in zip(self.current_learning_rate, before, strict=True))
+        if not (self.restart_from_best and reduced):
+            return
+        if load_from_global_zero(self.trainer.fabric, self.model, Path(self.base_path) / "best-model.pt"):
+            log.info("resetting to best model")
+
+    def get_state(self) -> dict[str, Any]:
+        return {**super().get_state(), "anneal_with_restarts": self.restart_from_best}
+
+
 def for_world_size(plugins: Sequence[TrainerPlugin], world_size: int) -> list[TrainerPlugin]:
-    """The user's plugins, with flair's ``LinearSchedulerPlugin`` swapped for the sharded one when distributed."""
+    """The user's plugins, with flair's plugins that break under distribution swapped for fixed ones."""
     if world_size == 1:
         return list(plugins)
-    return [
-        ShardedLinearSchedulerPlugin(warmup_fraction=plugin.warmup_fraction)
-        if type(plugin) is LinearSchedulerPlugin
-        else plugin
-        for plugin in plugins
-    ]
+    return [_distributed_version(plugin) for plugin in plugins]
+
+
+def _distributed_version(plugin: TrainerPlugin) -> TrainerPlugin:
+    if type(plugin) is LinearSchedulerPlugin:
+        return ShardedLinearSchedulerPlugin(warmup_fraction=plugin.warmup_fraction)
+    if type(plugin) is AnnealingPlugin and plugin.anneal_with_restarts:
+        return BroadcastRestartAnnealingPlugin(
+            base_path=plugin.base_path,
+            min_learning_rate=plugin.min_learning_rate,
+            anneal_factor=plugin.anneal_factor,
+            patience=plugin.patience,
+            initial_extra_patience=plugin.initial_extra_patience,
+            restart_from_best=True,
+        )
+    return plugin
 
 
 def attach_builtin_plugins(

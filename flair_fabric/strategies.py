@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 log = logging.getLogger("flair")
 
 FindUnused = bool | Literal["auto"]
+StartMethod = Literal["popen", "spawn", "fork"]
+START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork")
 
 
 class FlairDDPStrategy(DDPStrategy):
@@ -32,24 +34,34 @@ class FlairDDPStrategy(DDPStrategy):
     Args:
         find_unused_parameters: ``"auto"`` (default) probes the model once before wrapping and turns DDP's search for
             unused parameters on only if some parameter got no gradient; ``True``/``False`` force it.
+        start_method: ``"popen"`` (default) relaunches the script once per extra device; ``"spawn"`` and ``"fork"``
+            start worker processes from inside ``train`` (the caller's model receives the trained weights).
         **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, ``process_group_backend``, DDP options such
-            as ``static_graph``). ``start_method`` other than ``"popen"`` is not supported yet.
+            as ``static_graph``).
     """
 
     strategy_name = "flair_ddp"
 
-    def __init__(self, *, find_unused_parameters: FindUnused = "auto", **kwargs: Any) -> None:
-        if kwargs.get("start_method", "popen") != "popen":
+    def __init__(
+        self, *, find_unused_parameters: FindUnused = "auto", start_method: StartMethod = "popen", **kwargs: Any
+    ) -> None:
+        if start_method not in START_METHODS:
             raise ValueError(
-                f"FlairDDPStrategy(start_method={kwargs['start_method']!r}) is not supported yet; leave start_method"
-                " out (the script is relaunched once per device)."
+                f"FlairDDPStrategy(start_method={start_method!r}) is not valid:"
+                f" choose one of {', '.join(START_METHODS)}."
             )
         if find_unused_parameters not in (True, False, "auto"):
             raise ValueError(
                 f"find_unused_parameters={find_unused_parameters!r} is not valid: pass True, False or 'auto'."
             )
-        super().__init__(**kwargs)
+        super().__init__(start_method=start_method, **kwargs)
         self.find_unused_parameters: FindUnused = find_unused_parameters
+        self.start_method: StartMethod = start_method
+
+    @property
+    def starts_workers_in_train(self) -> bool:
+        """Whether ``train`` itself starts the worker processes (spawn, fork) rather than relaunching the script."""
+        return self.start_method != "popen"
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP once ``find_unused_parameters`` is decided."""

@@ -19,6 +19,9 @@ from flair.trainers.plugins import BasePlugin, Pluggable, TrainerPlugin
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE, trec_corpus, wnut16_corpus
 
 REPO = Path(__file__).resolve().parents[1]
+
+# flair arguments for runs whose weights are compared across launch methods: no shuffling, the final model
+UNION = {"max_epochs": 3, "learning_rate": 0.1, "shuffle": False, "use_final_model_for_eval": True}
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 

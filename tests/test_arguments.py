@@ -33,7 +33,8 @@ BAD_ARGUMENTS = [
     ({"precision": "bf16-mixed", "use_amp": True}, r"use_amp=True and precision='bf16-mixed' were both given"),
     ({"devices": 0}, r"devices=0 is not valid: pass a positive number"),
     ({"devices": -3}, r"devices=-3 is not valid"),
-    ({"devices": [0, 0]}, r"names a device twice"),
+    ({"devices": [0, 1]}, r"devices=\[0, 1\] selects GPUs; on CPU devices is the number of processes"),
+    ({"devices": -1}, r"devices=-1 selects GPUs"),
     ({"devices": "two"}, r"devices='two' is not valid"),
     ({"num_nodes": 0}, r"num_nodes=0 is not valid: pass the number of machines"),
     ({"num_nodes": 1.5}, r"num_nodes=1.5 is not valid"),
@@ -66,6 +67,8 @@ def test_more_gpus_than_the_machine_has(monkeypatch: pytest.MonkeyPatch) -> None
     assert resolve_devices(-1, "cuda") == 2
     assert resolve_devices("auto", "cuda") == 2
     assert resolve_devices("0,1", "cuda") == [0, 1]
+    with pytest.raises(ValueError, match="names a device twice"):
+        resolve_devices([0, 0], "cuda")
 
 
 def test_devices_and_strategy_resolution_on_cpu() -> None:
@@ -77,15 +80,15 @@ def test_devices_and_strategy_resolution_on_cpu() -> None:
     assert isinstance(two.strategy, FlairDDPStrategy) and two.precision == "bf16-mixed" and two.world_size == 2
     custom = FlairDDPStrategy(find_unused_parameters=True)
     assert make_launch_config(
-        accelerator="cpu", devices=[0, 1], num_nodes=2, strategy=custom, precision="32-true", use_amp=False
-    ) == launch_module.LaunchConfig("cpu", [0, 1], 2, custom, "32-true")
+        accelerator="cpu", devices="2", num_nodes=2, strategy=custom, precision="32-true", use_amp=False
+    ) == launch_module.LaunchConfig("cpu", 2, 2, custom, "32-true")
 
 
 def test_ddp_strategy_options_are_checked() -> None:
     with pytest.raises(ValueError, match=r"find_unused_parameters='sometimes' is not valid"):
         FlairDDPStrategy(find_unused_parameters="sometimes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"start_method='spawn'\) is not supported yet"):
-        FlairDDPStrategy(start_method="spawn")
+    with pytest.raises(ValueError, match=r"start_method='forkserver'\) is not valid: choose one of popen, spawn"):
+        FlairDDPStrategy(start_method="forkserver")  # type: ignore[arg-type]
 
 
 def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:

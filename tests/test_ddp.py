@@ -16,6 +16,7 @@ from flair.trainers.plugins import MetricHistoryPlugin
 from flair_fabric import FabricTrainer
 
 from .support import (
+    UNION,
     make_tiny_bert,
     run_script,
     small_trec,
@@ -25,8 +26,6 @@ from .support import (
 )
 
 pytestmark = pytest.mark.multiprocess
-
-UNION = {"max_epochs": 3, "learning_rate": 0.1, "shuffle": False, "use_final_model_for_eval": True}
 
 
 def _weights(run_dir: Path, rank: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -39,24 +38,6 @@ def _summary(run_dir: Path, rank: int) -> dict:
 
 def _epoch_lines(path: Path, marker: str) -> list[str]:
     return [line for line in path.read_text().splitlines() if marker in line]
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One script, three trainings on 2 ranks (one process start-up for all of them)."""
-    out = tmp_path_factory.mktemp("ddp")
-    runs = [
-        {"name": "union", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}},
-        {
-            "name": "union_chunked",
-            "method": "train_custom",
-            "kwargs": {**UNION, "mini_batch_size": 4, "mini_batch_chunk_size": 2, "devices": 2},
-        },
-        {"name": "defaults", "method": "train", "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2}},
-    ]
-    config = write_config(out / "config.json", {"out": str(out), "runs": runs})
-    run_script("ddp_runs.py", str(config))
-    return out
 
 
 def _one_process_reference(tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:

@@ -24,16 +24,21 @@ from tests.support import (
 )
 
 
-class LearningRateTrace(TrainerPlugin):
-    """The learning rate after every optimizer step, on every rank."""
+class Traces(TrainerPlugin):
+    """On every rank: the learning rate of every step, and a fingerprint of the weights at each epoch start."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.trace: list[float] = []
+        self.learning_rates: list[float] = []
+        self.weights: list[float] = []
 
     @TrainerPlugin.hook
     def after_training_batch(self, **kw):
-        self.trace.append(self.trainer.optimizer.param_groups[0]["lr"])
+        self.learning_rates.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+    @TrainerPlugin.hook
+    def before_training_epoch(self, **kw):
+        self.weights.append(sum(float(p.double().sum()) for p in self.model.parameters()))
 
 
 def build(model: str, out: Path):
@@ -54,27 +59,34 @@ def build(model: str, out: Path):
 
 CONFIG = json.loads(Path(sys.argv[1]).read_text())
 OUT = Path(CONFIG["out"])
+if CONFIG.get("per_node_out"):  # machines without a shared disk: each node writes under its own folder
+    OUT = OUT / f"node{os.environ.get('GROUP_RANK', os.environ.get('SLURM_NODEID', '0'))}"
 
 trainer = None
 for run in CONFIG["runs"]:
     model, corpus = build(run.get("model", "text"), OUT)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = FabricTrainer(model, corpus)
-    lr_trace = LearningRateTrace()
+    traces = Traces()
     kwargs = dict(run["kwargs"])
-    kwargs["plugins"] = [MetricHistoryPlugin(), lr_trace]
+    kwargs["plugins"] = [MetricHistoryPlugin(), traces]
     result = getattr(trainer, run.get("method", "train"))(OUT / run["name"], **kwargs)
     rank = trainer.global_rank
-    torch.save({"initial": initial, "final": model.state_dict()}, OUT / run["name"] / f"weights-rank{rank}.pt")
+    results_dir = OUT / "results" / run["name"] if CONFIG.get("per_node_out") else OUT / run["name"]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"initial": initial, "final": model.state_dict()}, results_dir / f"weights-rank{rank}.pt")
     summary = {
         "result": {k: (v if isinstance(v, (int, float)) else [float(x) for x in v]) for k, v in result.items()},
-        "lr_trace": lr_trace.trace,
+        "lr_trace": traces.learning_rates,
+        "weight_trace": traces.weights,
         "world_size": trainer.world_size,
         "local_rank": trainer.local_rank,
+        "node_rank": trainer.fabric.node_rank,
+        "device": str(trainer.fabric.device),
         "pid": os.getpid(),
         "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,
     }
-    (OUT / run["name"] / f"summary-rank{rank}.json").write_text(json.dumps(summary))
+    (results_dir / f"summary-rank{rank}.json").write_text(json.dumps(summary))
 
 assert trainer is not None and trainer.fabric is not None
 trainer.fabric.barrier()

@@ -1,0 +1,72 @@
+"""Where this process runs: started by torchrun or SLURM, inside a notebook, with CUDA already initialised.
+
+Detection goes through Fabric's own cluster environments (``TorchElasticEnvironment``, ``SLURMEnvironment``), so a
+script started by ``torchrun`` or ``srun`` is recognised exactly as Fabric will recognise it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+
+@dataclass(frozen=True)
+class ExternalLaunch:
+    """Processes started by a launcher outside Python: how many per node, on how many nodes."""
+
+    launcher: str
+    devices: int
+    num_nodes: int
+    description: str
+
+
+def external_launch() -> ExternalLaunch | None:
+    """The launcher that started this process (torchrun or SLURM), or ``None`` for an ordinary script."""
+    if SLURMEnvironment.detect():
+        tasks = int(os.environ["SLURM_NTASKS"])
+        nodes = int(os.environ.get("SLURM_NNODES", "1"))
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        devices = int(per_node) if per_node.isdigit() else tasks // nodes
+        described = f"SLURM started {tasks} task(s) on {nodes} node(s) (--ntasks-per-node={devices})"
+        return ExternalLaunch("SLURM", devices, nodes, described)
+    if TorchElasticEnvironment.detect():
+        world_size = int(os.environ["WORLD_SIZE"])
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        nodes = max(world_size // devices, 1)
+        described = f"torchrun started {world_size} process(es), {devices} per node (--nproc_per_node={devices})"
+        return ExternalLaunch("torchrun", devices, nodes, described)
+    return None
+
+
+def is_interactive() -> bool:
+    """Whether Python runs interactively (a notebook or a REPL), where a script cannot be relaunched."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+def cuda_is_initialized() -> bool:
+    """Whether this process has already initialised CUDA (after which it cannot fork workers that use it)."""
+    return torch.cuda.is_initialized()
+
+
+@contextmanager
+def environment_restored(*names: str) -> Iterator[None]:
+    """Put the named environment variables back as they were on exit.
+
+    Fabric's in-process launcher (spawn, fork) writes the port it picked into the caller's ``MASTER_PORT``; left
+    there, every later run and every subprocess of the caller would reuse that port, and two of them would collide.
+    """
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,58 @@
+"""Send flair objects to spawned processes, where plain pickling fails.
+
+Two things in flair cannot be pickled: models holding ``TransformerEmbeddings`` (its ``__setstate__`` passes
+``instance_parameters`` to the transformer's constructor) and sentences with span or relation labels (``Span`` and
+``Relation`` need arguments in ``__new__``). This pickler, used only for what ``ddp_spawn`` sends to its workers,
+moves a model by its flair state (the dictionary ``model.save`` writes, rebuilt with the class's ``load``) and
+rebuilds spans and relations from their attributes. flair's classes are left as they are.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import flair
+import torch
+from flair.data import Relation, Span
+
+
+def _model_state(model: flair.nn.Model) -> bytes:
+    state = model._get_state_dict()
+    if model.model_card is not None:
+        state["model_card"] = model.model_card
+    buffer = io.BytesIO()
+    torch.save(state, buffer, pickle_protocol=4)
+    return buffer.getvalue()
+
+
+def _model_from_state(model_class: type[flair.nn.Model], state: bytes) -> flair.nn.Model:
+    """Rebuild a flair model on ``flair.device`` from the bytes of its flair state."""
+    loaded = torch.load(io.BytesIO(state), map_location="cpu", weights_only=False)
+    model = model_class.load(loaded)
+    if "model_card" in loaded:
+        model.model_card = loaded["model_card"]
+    return model
+
+
+class _FlairPickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, flair.nn.Model):
+            return _model_from_state, (type(obj), _model_state(obj))
+        if type(obj) in (Span, Relation):
+            # skip the constructor (it registers the object with its sentence, which the state already holds)
+            return object.__new__, (type(obj),), obj.__dict__
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj``, moving flair models by their flair state and rebuilding spans without their constructor."""
+    buffer = io.BytesIO()
+    _FlairPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle what :func:`dumps` wrote; flair models are rebuilt on the current ``flair.device``."""
+    return pickle.loads(data)

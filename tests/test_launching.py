@@ -1,0 +1,306 @@
+"""Every way to start a run: spawn, fork, torchrun over two "nodes", SLURM, two runs at once; and their errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import flair
+import pytest
+import torch
+from flair.data import Sentence
+from flair.models import SequenceTagger, TextClassifier
+
+from flair_fabric import FabricTrainer, FlairDDPStrategy
+from flair_fabric import launch as launch_module
+from flair_fabric.launch import make_launch_config
+
+from .support import (
+    REPO,
+    SCRIPTS,
+    UNION,
+    make_tiny_bert,
+    small_trec,
+    small_wnut,
+    state_dict_difference,
+    tiny_sequence_tagger,
+    tiny_text_classifier,
+    tiny_transformer_classifier,
+    write_config,
+)
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _script_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int = 420) -> list[str]:
+    """Start several processes at once and wait for all; each must exit 0."""
+    processes = [
+        subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in commands
+    ]
+    outputs = []
+    for process in processes:
+        output, _ = process.communicate(timeout=timeout)
+        assert process.returncode == 0, output[-6000:]
+        outputs.append(output)
+    return outputs
+
+
+def _final_weights(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / f"weights-rank{rank}.pt")["final"]
+
+
+def _predictions(model: flair.nn.Model, texts: list[str], label_type: str) -> list[str]:
+    sentences = [Sentence(text) for text in texts]
+    model.predict(sentences)
+    return [str(sentence.get_labels(label_type)) for sentence in sentences]
+
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
+    strategy: str, two_rank_runs: Path, tmp_path: Path
+) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    port_before = os.environ.get("MASTER_PORT")
+    result = FabricTrainer(model, corpus).train_custom(
+        tmp_path, **UNION, mini_batch_size=4, accelerator="cpu", devices=2, strategy=strategy
+    )
+    # the port the launcher picked does not stay behind for the next run or a subprocess to collide on
+    assert os.environ.get("MASTER_PORT") == port_before
+    # the caller's model holds the trained weights: the same as the 2-rank run started by `python script.py`
+    assert state_dict_difference(model.state_dict(), _final_weights(two_rank_runs / "union", 0)) <= 1e-6
+    written = TextClassifier.load(tmp_path / "final-model.pt")
+    assert state_dict_difference(model.state_dict(), written.state_dict()) == 0.0
+    assert (
+        result["test_score"]
+        == json.loads((two_rank_runs / "union" / "summary-rank0.json").read_text())["result"]["test_score"]
+    )
+
+
+def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_transformer_classifier(corpus, make_tiny_bert(tmp_path / "bert", corpus))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    FabricTrainer(model, corpus).fine_tune(
+        tmp_path / "run",
+        max_epochs=2,
+        mini_batch_size=4,
+        learning_rate=5e-3,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    assert state_dict_difference(before, model.state_dict()) > 1e-4
+    written = TextClassifier.load(tmp_path / "run" / "final-model.pt")  # fine_tune evaluates the final model
+    assert state_dict_difference(model.state_dict(), written.state_dict()) == 0.0
+    texts = ["What is the capital of France ?", "Who wrote Hamlet ?", "How many legs has a spider ?"]
+    assert _predictions(model, texts, "question_class") == _predictions(written, texts, "question_class")
+
+
+def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_best_model(tmp_path: Path) -> None:
+    corpus = small_wnut(tmp_path / "wnut")  # sentences with span labels: plain pickling fails on them
+    model = tiny_sequence_tagger(corpus)
+    FabricTrainer(model, corpus).train(
+        tmp_path / "run",
+        max_epochs=3,
+        mini_batch_size=8,
+        learning_rate=0.1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    best = SequenceTagger.load(tmp_path / "run" / "best-model.pt")  # train() picks the best epoch on dev
+    assert state_dict_difference(model.state_dict(), best.state_dict()) == 0.0
+    texts = ["Justin Bieber is in New York tonight", "going to the Apple store"]
+    assert _predictions(model, texts, "ner") == _predictions(best, texts, "ner")
+
+
+def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
+    """Two torchrun "nodes" on one machine, each writing under its own folder; node 1 never sees node 0's files."""
+    kwargs = {"max_epochs": 4, "mini_batch_size": 4, "devices": 1, "num_nodes": 2, "patience": 0}
+    runs = [{"name": "nodes", "method": "train", "kwargs": {**kwargs, "anneal_with_restarts": True}}]
+    config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "per_node_out": True, "runs": runs})
+    port = str(_free_port())
+    commands = [
+        (
+            [
+                TORCHRUN,
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(SCRIPTS / "ddp_runs.py"),
+                str(config),
+            ],
+            _script_env(),
+        )
+        for node in (0, 1)
+    ]
+    outputs = _run_together(commands)
+
+    node0, node1 = tmp_path / "node0" / "nodes", tmp_path / "node1" / "nodes"
+    assert {p.name for p in node0.iterdir()} >= {"training.log", "loss.tsv", "best-model.pt", "final-model.pt"}
+    assert not list(node1.iterdir()), "logs and models are written by global rank 0 only"
+    results = tmp_path / "node1" / "results" / "nodes"
+    rank1 = json.loads((results / "summary-rank1.json").read_text())
+    assert (rank1["node_rank"], rank1["local_rank"], rank1["device"], rank1["world_size"]) == (1, 0, "cpu", 2)
+    # anneal_with_restarts reloaded the best model on both nodes from rank 0's file, over the process group: the
+    # weights agree at the start of every epoch (flair's plugin would skip the reload where the file is missing)
+    assert "resetting to best model" in (node0 / "training.log").read_text() + outputs[0]
+    rank0 = json.loads((tmp_path / "node0" / "results" / "nodes" / "summary-rank0.json").read_text())
+    assert len(rank0["weight_trace"]) == 4 and rank0["weight_trace"] == rank1["weight_trace"]
+    weights0 = _final_weights(tmp_path / "node0" / "results" / "nodes", 0)
+    assert state_dict_difference(weights0, _final_weights(results, 1)) == 0.0
+    assert state_dict_difference(weights0, TextClassifier.load(node0 / "best-model.pt").state_dict()) == 0.0
+
+
+def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
+    runs = [{"name": "slurm", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
+    config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
+    slurm = {
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "flair-fabric-test",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
+    commands = [
+        (
+            [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)],
+            _script_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+        )
+        for rank in (0, 1)
+    ]
+    _run_together(commands)
+    run_dir = tmp_path / "slurm"
+    assert state_dict_difference(_final_weights(run_dir, 0), _final_weights(run_dir, 1)) == 0.0
+    summaries = [json.loads((run_dir / f"summary-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [s["world_size"] for s in summaries] == [2, 2] and [s["local_rank"] for s in summaries] == [0, 1]
+    assert len({s["pid"] for s in summaries}) == 2, "SLURM started both tasks; nothing was relaunched"
+
+
+def test_two_runs_at_the_same_time_both_finish(tmp_path: Path) -> None:
+    commands = []
+    for name in ("first", "second"):
+        runs = [{"name": name, "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
+        config = write_config(tmp_path / f"{name}.json", {"out": str(tmp_path), "runs": runs})
+        commands.append(([sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)], _script_env()))
+    _run_together(commands)
+    for name in ("first", "second"):
+        assert (tmp_path / name / "final-model.pt").exists()
+        assert state_dict_difference(_final_weights(tmp_path / name, 0), _final_weights(tmp_path / name, 1)) == 0
+
+
+# --- errors, before any process starts -------------------------------------------------------------------------
+
+
+def _config(**overrides):
+    arguments = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "num_nodes": 1,
+        "strategy": "auto",
+        "precision": None,
+        "use_amp": False,
+        **overrides,
+    }
+    return make_launch_config(**arguments)
+
+
+def test_fork_after_cuda_was_initialised_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(launch_module, "cuda_is_initialized", lambda: True)
+    corpus = small_trec()
+    trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
+    for strategy in ("ddp_fork", "ddp_notebook"):
+        with pytest.raises(RuntimeError, match=r"cannot fork worker processes: CUDA is already initialised"):
+            trainer.train(tmp_path, accelerator="cpu", devices=2, strategy=strategy)
+    assert trainer.fabric is None
+
+
+TORCHRUN_ENV = {
+    "TORCHELASTIC_RUN_ID": "test",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"devices": 3, "num_nodes": 2}, r"devices=3, but torchrun started 4 process\(es\), 2 per node.*devices=2"),
+        ({"devices": 2}, r"num_nodes=1, but torchrun started 4 process\(es\).*pass num_nodes=2"),
+        ({"num_nodes": 2, "strategy": "ddp_spawn"}, r"the processes exist already.*use strategy='ddp'"),
+    ],
+)
+def test_torchrun_mismatch_is_an_error_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict, message: str
+) -> None:
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        _config(**overrides)
+    config = _config(devices="auto", num_nodes=2)
+    assert (config.devices, config.world_size) == (2, 4)
+
+
+def test_slurm_mismatch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    slurm = {
+        "SLURM_NTASKS": "3",
+        "SLURM_NTASKS_PER_NODE": "3",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"devices=2, but SLURM started 3 task\(s\) on 1 node\(s\).*devices=3"):
+        _config(devices=2)
+    assert _config(devices="auto").devices == 3
+
+
+def test_strategy_names_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, start_method in (
+        ("ddp", "popen"),
+        ("ddp_spawn", "spawn"),
+        ("ddp_fork", "fork"),
+        ("ddp_notebook", "fork"),
+    ):
+        strategy = _config(strategy=name).strategy
+        assert isinstance(strategy, FlairDDPStrategy) and strategy.start_method == start_method
+    assert _config(devices=1).strategy == "auto"
+    assert _config().strategy.start_method == "popen"  # type: ignore[union-attr]
+    monkeypatch.setattr(launch_module, "is_interactive", lambda: True)
+    assert _config().strategy.start_method == "fork"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"relaunches the running script.*use strategy='ddp_notebook'"):
+        _config(strategy="ddp")
