@@ -12,7 +12,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,15 +29,14 @@ from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule
 from torch.utils.data import Dataset
 
-from flair_fabric import transport
 from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
-from flair_fabric.environment import environment_restored
 from flair_fabric.evaluation import evaluate_on_global_zero
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.metrics import LossTracker
 from flair_fabric.plugins import attach_builtin_plugins, for_world_size, log_on_global_zero_only
 from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
-from flair_fabric.strategies import FlairDDPStrategy, resolve_unused_parameters
+from flair_fabric.strategies import resolve_unused_parameters
+from flair_fabric.workers import run_on_every_rank, starts_workers
 
 log = logging.getLogger("flair")
 
@@ -184,23 +182,11 @@ class FabricTrainer(ModelTrainer):
             "strategy": config.strategy if isinstance(config.strategy, str) else type(config.strategy).__name__,
             "precision": config.precision,
         }
-        if isinstance(config.strategy, FlairDDPStrategy) and config.strategy.starts_workers_in_train:
-            return self._train_in_workers(fabric, config.strategy.start_method, flair_args, fabric_args)
-        return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
-
-    def _train_in_workers(self, fabric: Fabric, start_method: str, args: SimpleNamespace, fabric_args: dict) -> dict:
-        """Train in spawned or forked workers; the caller's model then receives rank 0's trained weights.
-
-        Spawned workers get the model and corpus through :mod:`flair_fabric.transport` (flair state, not pickled
-        modules); forked workers inherit them.
-        """
-        job = _WorkerJob(type(self), self.model, self.corpus, args, fabric_args)
-        payload = transport.dumps(job) if start_method == "spawn" else job
-        with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:
-            handoff = Path(handoff_dir) / "rank0-results.pickle"
-            with environment_restored("MASTER_PORT"):
-                fabric.launch(functools.partial(_train_in_worker, job=payload, handoff=handoff))
-            result, weights = transport.loads(handoff.read_bytes())
+        if not starts_workers(fabric):
+            return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
+        # spawned or forked workers train copies: the caller's model then receives rank 0's trained weights
+        job = _WorkerJob(type(self), self.model, self.corpus, flair_args, fabric_args)
+        result, weights = run_on_every_rank(fabric, _train_in_worker, job)
         self.model.load_state_dict(weights)
         return result
 
@@ -624,19 +610,10 @@ class _WorkerJob:
     fabric_args: dict
 
 
-def _train_in_worker(fabric: Fabric, job: _WorkerJob | bytes, handoff: Path) -> None:
-    """One spawned or forked rank: rebuild the trainer and train; rank 0 writes its results and weights to
-    ``handoff``. (Not through Fabric's return queue: the launcher joins the workers before it reads the queue, so
-    a return value larger than a pipe buffer blocks rank 0 forever.)"""
-    flair.device = fabric.device
-    if isinstance(job, bytes):
-        cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda_devices):  # rebuilding the model draws random initial weights
-            job = transport.loads(job)
-    assert isinstance(job, _WorkerJob)
+def _train_in_worker(fabric: Fabric, job: _WorkerJob) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One spawned or forked rank: rebuild the trainer, train; return the results and the trained weights."""
     trainer = job.trainer_class(job.model, job.corpus)
     trainer.fabric = fabric
     result = trainer._train_on_rank(fabric, job.args, job.fabric_args)
-    if fabric.is_global_zero:
-        weights = {name: tensor.detach().cpu() for name, tensor in trainer.model.state_dict().items()}
-        handoff.write_bytes(transport.dumps((result, weights)))
+    weights = {name: tensor.detach().cpu() for name, tensor in trainer.model.state_dict().items()}
+    return result, weights
