@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import flair
 import torch
-from flair.data import Corpus
+from flair.data import Corpus, Sentence
 from flair.datasets import FlairDatapointDataset
 from flair.trainers.plugins import TrainerPlugin
 
@@ -79,6 +79,13 @@ def train_only_corpus(train_size: int) -> Corpus:
     full = trec_corpus(train_size, dev_size=0, test_size=0, seed=SPLIT_SEED)
     sentences = [full.train[i] for i in range(len(full.train))]
     return Corpus(FlairDatapointDataset(sentences), None, None, name="trec6-train", sample_missing_splits=False)
+
+
+def evaluation_corpus(dev_size: int) -> tuple[Corpus, list[Sentence]]:
+    """A seeded TREC corpus and its dev split of ``dev_size`` questions (the split that is evaluated)."""
+    corpus = trec_corpus(train_size=500, dev_size=dev_size, test_size=0, seed=SPLIT_SEED)
+    assert corpus.dev is not None
+    return corpus, [corpus.dev[i] for i in range(len(corpus.dev))]
 
 
 def build_model(name: str, corpus: Corpus) -> flair.nn.Model:

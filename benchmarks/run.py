@@ -1,8 +1,9 @@
-"""flair-fabric benchmarks: ``make bench`` (about 10 minutes on 2 CPU cores) or ``--quick`` (about 2 minutes).
+"""flair-fabric benchmarks: ``make bench`` (about 11 minutes on 2 CPU cores) or ``--quick`` (about 3 minutes).
 
 1. overhead_one_device: FabricTrainer(devices=1) vs flair's ModelTrainer, training time per epoch.
 2. ddp_vs_flair_native: FabricTrainer(devices=2) vs flair's own multi_gpu=True on 2 CPU processes, samples/s.
 3. find_unused_parameters: FabricTrainer(devices=2) with DDP's unused-parameter search forced on vs off.
+4. sharded_evaluation: evaluating a dev split with flair_fabric.evaluate on 2 processes vs flair's evaluate in one.
 
 Every measurement runs in fresh worker processes (``worker.py``); results go to ``<out-dir>/<name>.json`` and a
 table to ``<out-dir>/README.md``.
@@ -67,11 +68,13 @@ PLANS: dict[str, dict[str, Any]] = {
         "overhead": [Job("rnn", 2048, 16, 1, RNN_LR, 8), Job("minilm", 192, 16, 1, MINILM_LR, 4)],
         "ddp": [(Job("rnn", 2048, 16, 2, RNN_LR, 3), 2), (Job("minilm", 256, 16, 1, MINILM_LR, 3), 2)],
         "find_unused": (Job("rnn", 2048, 16, 2, RNN_LR, 4), 2),
+        "evaluation": (Job("minilm", 500, 32, 1, 0.0, 3), 2),
     },
     "quick": {
         "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],
         "ddp": [(Job("rnn", 512, 16, 1, RNN_LR, 1), 1), (Job("minilm", 128, 16, 1, MINILM_LR, 1), 1)],
         "find_unused": (Job("rnn", 512, 16, 1, RNN_LR, 2), 1),
+        "evaluation": (Job("minilm", 96, 16, 1, 0.0, 1), 1),
     },
 }
 
@@ -96,12 +99,13 @@ class Runner:
         self.verbose = verbose
         self.count = 0
 
-    def run(self, mode: str, job: Job, extra: list[str] | None = None) -> dict[str, Any]:
+    def run(self, mode: str, job: Job, extra: list[str] | None = None, threads: int | None = None) -> dict[str, Any]:
         self.count += 1
+        threads = threads or self.threads
         out = self.work_dir / f"{self.count:02d}-{mode}-{job.model}.json"
         log_path = out.with_suffix(".log")
         command = [sys.executable, str(WORKER), mode, *job.worker_args(), f"--out={out}", *(extra or [])]
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         env.pop("LOCAL_RANK", None)  # a worker that sees LOCAL_RANK would not start its own processes
         started = time.perf_counter()
@@ -116,7 +120,11 @@ class Runner:
                 process.wait()
         wall = time.perf_counter() - started
         log_text = log_path.read_text(encoding="utf-8", errors="replace")
-        progress = [line for line in log_text.splitlines() if line.startswith(("[overhead ", "[fabric ", "[native "))]
+        progress = [
+            line
+            for line in log_text.splitlines()
+            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate "))
+        ]
         for line in progress if self.verbose else progress[-1:]:
             print(f"    {line}", flush=True)
         if process.returncode != 0 or not out.exists():
@@ -352,6 +360,75 @@ def find_unused_section(runner: Runner, job: Job, launches: int, devices: int) -
     }
 
 
+def evaluation_section(runner: Runner, job: Job, launches: int, devices: int) -> dict[str, Any]:
+    cpus = os.cpu_count() or devices
+    threads_each = max(1, cpus // devices)
+    print(
+        f"  evaluation of a dev split: flair in 1 process ({cpus} threads), flair multi_gpu-style and fabric on"
+        f" {devices} processes ({threads_each} thread(s) each): {job.model}, {job.train_size} questions,"
+        f" {launches} launch(es) x {job.reps} run(s)",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    configurations = [
+        ("evaluate", 1, cpus),
+        ("evaluate", devices, threads_each),
+        ("evaluate-native", devices, threads_each),
+    ]
+    for launch in range(launches):
+        shift = launch % len(configurations)
+        for mode, count, threads in configurations[shift:] + configurations[:shift]:
+            result = runner.run(mode, job, [f"--devices={count}"], threads=threads)
+            for run in result["runs"]:
+                run.update(launch=launch, processes=count, threads_per_process=result["torch_threads_per_process"])
+            runs += result["runs"]
+
+    def median_seconds(trainer: str, processes: int) -> float:
+        return statistics.median(x["seconds"] for x in runs if x["trainer"] == trainer and x["processes"] == processes)
+
+    flair_one = median_seconds("flair", 1)
+    fabric_one = median_seconds("fabric", 1)
+    fabric_many = median_seconds("fabric", devices)
+    native_many = median_seconds("flair-native", devices)
+    scores = sorted({round(x["main_score"], 6) for x in runs})
+    summary = {
+        "processes": devices,
+        "flair_evaluate_one_process_median_seconds": r(flair_one),
+        "fabric_evaluate_one_process_median_seconds": r(fabric_one),
+        "flair_native_every_rank_whole_split_median_seconds": r(native_many),
+        "fabric_sharded_median_seconds": r(fabric_many),
+        "ratio_time_sharded_over_flair_native_ranks": r(fabric_many / native_many),
+        "ratio_time_sharded_over_flair_one_process": r(fabric_many / flair_one),
+        "ratio_time_fabric_one_process_over_flair": r(fabric_one / flair_one),
+        "main_scores_seen": scores,
+        "same_score_everywhere": len(scores) == 1,
+    }
+    print(
+        f"    -> seconds: flair 1 process {flair_one:.2f}, fabric 1 process {fabric_one:.2f}, flair multi_gpu-style"
+        f" {native_many:.2f}, fabric sharded {fabric_many:.2f}; scores {scores}",
+        flush=True,
+    )
+    return {
+        "what": "Wall time of one evaluation of a TREC dev split on CPU, four ways: (a) flair's model.evaluate in one"
+        f" process with all {cpus} CPU threads; (b) flair_fabric.evaluate(devices=1) in the same process;"
+        f" (c) what flair's multi_gpu=True does inside training: {devices} processes ({threads_each} thread(s) each)"
+        " each evaluate the whole split (time of the slowest rank); (d) flair_fabric.evaluate(accelerator='cpu',"
+        f" devices={devices}) with the script relaunch, {threads_each} thread(s) per process: each rank predicts whole"
+        " batches dealt round robin, rank 0 scores with flair's evaluate; timed on rank 0 from the call to the"
+        " returned Result (prediction, gathering, scoring, broadcast). Processes are started by an untimed warm-up"
+        " call. The model is not fine-tuned (evaluation cost does not depend on it).",
+        "model": "TextClassifier(TransformerDocumentEmbeddings(all-MiniLM-L6-v2))",
+        "sizes": {
+            "dev_size": job.train_size,
+            "eval_mini_batch_size": job.batch_size,
+            "launches": launches,
+            "runs_per_launch": job.reps,
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+
+
 # --- report -------------------------------------------------------------------------------------------------------
 
 
@@ -389,7 +466,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             if mode == "quick"
             else []
         ),
-        "Only the training part of each epoch is timed (one TrainerPlugin, before_training_epoch to"
+        "Sections 1-3: only the training part of each epoch is timed (one TrainerPlugin, before_training_epoch to"
         " after_training_epoch, in both trainers); no dev/test evaluation, no model files; same seeded model and"
         " same batches (shuffle=False) for both sides. Raw timings and the exact method: the JSON files next to this"
         " one.",
@@ -461,6 +538,28 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             f" {shown(s['auto_resolved_find_unused_parameters_to'])} |",
             "",
         ]
+    if "sharded_evaluation" in results:
+        section = results["sharded_evaluation"]
+        s, z = section["summary"], section["sizes"]
+        n = s["processes"]
+        lines += [
+            f"## 4. Evaluating a dev split (MiniLM-L6, {z['dev_size']} questions, eval batch"
+            f" {z['eval_mini_batch_size']}, {z['launches'] * z['runs_per_launch']} runs each)",
+            "",
+            "| how | processes | median s | sharded time / this |",
+            "|---|---|---|---|",
+            "| flair `model.evaluate`, one process, all threads | 1 |"
+            f" {s['flair_evaluate_one_process_median_seconds']:.2f} |"
+            f" **{s['ratio_time_sharded_over_flair_one_process']:.3f}** |",
+            f"| `flair_fabric.evaluate(devices=1)` | 1 | {s['fabric_evaluate_one_process_median_seconds']:.2f} | |",
+            f"| flair `multi_gpu=True` style: every rank evaluates the whole split | {n} |"
+            f" {s['flair_native_every_rank_whole_split_median_seconds']:.2f}"
+            f" | **{s['ratio_time_sharded_over_flair_native_ranks']:.3f}** |",
+            f"| `flair_fabric.evaluate(devices={n})`, sharded | {n} | {s['fabric_sharded_median_seconds']:.2f} | 1 |",
+            "",
+            f"Same main score in every run: {s['same_score_everywhere']} ({s['main_scores_seen']}).",
+            "",
+        ]
     lines += [
         "Timings on a shared or busy machine are noisy: rerun `make bench` on a quiet one before quoting them.",
         "",
@@ -468,7 +567,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SECTION_NAMES = ("overhead_one_device", "ddp_vs_flair_native", "find_unused_parameters")
+SECTION_NAMES = ("overhead_one_device", "ddp_vs_flair_native", "find_unused_parameters", "sharded_evaluation")
 
 
 def write_readme(out_dir: Path) -> None:
@@ -489,7 +588,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["overhead", "ddp", "find_unused"],
+        choices=["overhead", "ddp", "find_unused", "evaluation"],
         action="append",
         help="run only these sections (README.md is rebuilt from all JSON files in the folder)",
     )
@@ -512,7 +611,7 @@ def main() -> None:
     if args.readme_only:
         write_readme(out_dir)
         return
-    sections = args.only or ["overhead", "ddp", "find_unused"]
+    sections = args.only or ["overhead", "ddp", "find_unused", "evaluation"]
     started = time.perf_counter()
     machine = machine_info()
     print(
@@ -530,6 +629,9 @@ def main() -> None:
         if "find_unused" in sections:
             job, launches = plan["find_unused"]
             results["find_unused_parameters"] = find_unused_section(runner, job, launches, args.devices)
+        if "evaluation" in sections:
+            job, launches = plan["evaluation"]
+            results["sharded_evaluation"] = evaluation_section(runner, job, launches, args.devices)
     wall = time.perf_counter() - started
     common = {
         "mode": mode,

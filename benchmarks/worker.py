@@ -3,6 +3,8 @@
     worker.py overhead ...   FabricTrainer(devices=1) and flair's ModelTrainer, interleaved in this one process
     worker.py fabric ...     FabricTrainer(devices=N): Fabric relaunches this script, rank 0 writes the JSON
     worker.py native ...     flair's own multi_gpu=True on N CPU processes (torch.multiprocessing + gloo)
+    worker.py evaluate ...   flair_fabric.evaluate(devices=N) of a dev split (and, for N=1, flair's model.evaluate)
+    worker.py evaluate-native ...  what flair's multi_gpu=True does: N processes each evaluate the whole dev split
 
 Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
 """
@@ -10,11 +12,13 @@ Every timed run is preceded (once per process and trainer) by an untimed one-epo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +28,21 @@ import torch
 from common import EpochTimer, Workload, build_model, quiet_flair, run_flair_style, train_only_corpus
 from flair.trainers import ModelTrainer
 
+import flair_fabric
 from flair_fabric import FabricTrainer, FlairDDPStrategy
+from flair_fabric.datasets import TREC_LABEL_TYPE
 
 VARIANTS = ("auto", "true", "false")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["overhead", "fabric", "native"])
+    parser.add_argument("mode", choices=["overhead", "fabric", "native", "evaluate", "evaluate-native"])
     parser.add_argument("--model", choices=common.MODELS, required=True)
-    parser.add_argument("--train-size", type=int, required=True)
+    parser.add_argument("--train-size", type=int, required=True, help="evaluate: the size of the dev split")
     parser.add_argument("--batch-size", type=int, required=True)
-    parser.add_argument("--epochs", type=int, required=True)
-    parser.add_argument("--learning-rate", type=float, required=True)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--learning-rate", type=float, default=0.0)
     parser.add_argument("--reps", type=int, default=1, help="timed runs per trainer/variant in this process")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--variants", default="auto", help="fabric: comma-separated find_unused_parameters values")
@@ -174,15 +180,24 @@ def cpu_ddp(
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **kwargs)
 
 
-def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    import flair.trainers.trainer
-
+@contextlib.contextmanager
+def cpu_process_group(rank: int, world_size: int, port: int) -> Iterator[None]:
+    """A gloo process group for a rank started by torch.multiprocessing, with flair on the CPU and quiet."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=args.devices)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         quiet_flair()
         flair.device = torch.device("cpu")
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    import flair.trainers.trainer
+
+    with cpu_process_group(rank, args.devices, port):
         flair.trainers.trainer.DistributedDataParallel = cpu_ddp  # type: ignore[attr-defined]
         workload = workload_of(args)
         result = header("native", workload, args.devices)
@@ -196,8 +211,6 @@ def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
                     print(f"[native {workload.model}] rep {rep}: {sum(times['epoch_seconds']):.3f} s", flush=True)
         if rank == 0:
             write(args.out, result)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _native_run(workload: Workload, base_path: str) -> dict[str, list[float]]:
@@ -218,11 +231,85 @@ def native(args: argparse.Namespace) -> None:
     torch.multiprocessing.spawn(native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
 
 
+# --- evaluation of a dev split: flair_fabric.evaluate on N processes, flair's evaluate in one -------------------
+
+
+def evaluate_split(args: argparse.Namespace) -> None:
+    """Every rank runs this (Fabric relaunches the script for N > 1); global rank 0 times and writes."""
+    corpus, dev = common.evaluation_corpus(args.train_size)
+    model = build_model(args.model, corpus)
+    model.eval()
+
+    def sharded(sentences: list) -> tuple[float, float]:
+        started = time.perf_counter()
+        result = flair_fabric.evaluate(
+            model, sentences, TREC_LABEL_TYPE, mini_batch_size=args.batch_size, accelerator="cpu", devices=args.devices
+        )
+        return time.perf_counter() - started, result.main_score
+
+    def single(sentences: list) -> tuple[float, float]:
+        flair.device = torch.device("cpu")
+        started = time.perf_counter()
+        result = model.evaluate(sentences, TREC_LABEL_TYPE, mini_batch_size=args.batch_size)
+        return time.perf_counter() - started, result.main_score
+
+    sides = {"fabric": sharded, "flair": single} if args.devices == 1 else {"fabric": sharded}
+    for side in sides.values():  # untimed warm-up (the first call also starts the processes)
+        side(dev[: 2 * args.batch_size * args.devices])
+    result = header("evaluate", workload_of(args), args.devices)
+    for rep in range(args.reps):
+        names = list(sides) if rep % 2 == 0 else list(reversed(sides))
+        for name in names:
+            seconds, score = sides[name](dev)
+            result["runs"].append({"trainer": name, "rep": rep, "seconds": seconds, "main_score": score})
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                print(f"[evaluate {args.model} {name} x{args.devices}] rep {rep}: {seconds:.3f} s", flush=True)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        write(args.out, result)
+
+
+def evaluate_native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One of N processes of flair's multi_gpu=True evaluation: model.evaluate of the whole split on every rank."""
+    with cpu_process_group(rank, args.devices, port):
+        corpus, dev = common.evaluation_corpus(args.train_size)
+        model = build_model(args.model, corpus)
+        model.eval()
+        model.evaluate(dev[: 2 * args.batch_size], TREC_LABEL_TYPE, mini_batch_size=args.batch_size)  # warm-up
+        result = header("evaluate-native", workload_of(args), args.devices)
+        for rep in range(args.reps):
+            torch.distributed.barrier()
+            started = time.perf_counter()
+            score = model.evaluate(dev, TREC_LABEL_TYPE, mini_batch_size=args.batch_size).main_score
+            slowest = torch.tensor(time.perf_counter() - started)
+            torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)  # the run waits for the last
+            result["runs"].append(
+                {"trainer": "flair-native", "rep": rep, "seconds": float(slowest), "main_score": score}
+            )
+            if rank == 0:
+                print(
+                    f"[evaluate {args.model} flair-native x{args.devices}] rep {rep}: {float(slowest):.3f} s",
+                    flush=True,
+                )
+        if rank == 0:
+            write(args.out, result)
+
+
+def evaluate_native(args: argparse.Namespace) -> None:
+    torch.multiprocessing.spawn(evaluate_native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
+
+
 def main() -> None:
     args = parse_args()
     quiet_flair()
     started = time.perf_counter()
-    {"overhead": overhead, "fabric": fabric, "native": native}[args.mode](args)
+    modes = {
+        "overhead": overhead,
+        "fabric": fabric,
+        "native": native,
+        "evaluate": evaluate_split,
+        "evaluate-native": evaluate_native,
+    }
+    modes[args.mode](args)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"[{args.mode} {args.model}] worker done in {time.perf_counter() - started:.1f} s", flush=True)
 

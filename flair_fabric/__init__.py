@@ -1,7 +1,8 @@
 """flair-fabric: train flair models on many devices and machines with Lightning Fabric."""
 
+from flair_fabric.scoring import evaluate
 from flair_fabric.strategies import FlairDDPStrategy
 from flair_fabric.trainer import FabricTrainer
 
-__all__ = ["FabricTrainer", "FlairDDPStrategy"]
+__all__ = ["FabricTrainer", "FlairDDPStrategy", "evaluate"]
 __version__ = "0.1.0"

@@ -1,21 +1,197 @@
-"""Evaluation during and after distributed training.
+"""Evaluation split across ranks, scored once by flair's own ``evaluate``.
 
-The model is scored once, on global rank 0, with flair's own ``evaluate``; the :class:`~flair.training_utils.Result`
-is broadcast, so every rank takes the same best-model and annealing decisions. Only rank 0 writes the output file.
+flair's ``Classifier.evaluate`` walks the data in batches of ``mini_batch_size``: it predicts each batch, collects
+gold and predicted labels, then scores them with its metric code. Here the *prediction* is split: batch ``b`` is
+predicted by rank ``b % world_size`` (whole batches, so each batch holds exactly the data points it holds in one
+process and the model computes exactly what it computes there; no data point is predicted twice, none is padded).
+The ranks send their predicted labels and per-batch losses to global rank 0, which runs flair's ``evaluate``
+unchanged with a stand-in whose ``predict`` puts the gathered labels back instead of running the model. So scores,
+reports, loss and the output file are flair's, computed by flair's code; rank 0 alone writes the file, and its
+:class:`~flair.training_utils.Result` is broadcast so every rank takes the same decisions.
+
+Models that override ``evaluate`` (and predictions this module cannot move) are evaluated whole on rank 0 instead,
+with a warning; the number is never wrong, only not sharded.
 """
 
 from __future__ import annotations
 
+import inspect
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import flair
+import torch
+import torch.distributed
+from flair.data import DataPoint, _len_dataset
 from flair.training_utils import EmbeddingStorageMode, Result, store_embeddings
 from lightning.fabric import Fabric
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
+from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 
-def evaluate_on_global_zero(
+_FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
+_PREDICTED = "predicted"  # the label name flair's evaluate predicts into
+
+
+def can_shard(model: flair.nn.Model) -> bool:
+    """Whether ``model`` evaluates with flair's base ``Classifier.evaluate``, which this module can split."""
+    return isinstance(model, flair.nn.Classifier) and type(model).evaluate is flair.nn.Classifier.evaluate
+
+
+def batches_of_rank(size: int, batch_size: int, rank: int, world_size: int) -> list[tuple[int, range]]:
+    """The evaluation batches rank ``rank`` predicts, as ``(batch number, data point indices)``: whole batches,
+    dealt round robin."""
+    starts = range(0, size, batch_size)
+    return [
+        (number, range(start, min(start + batch_size, size)))
+        for number, start in enumerate(starts)
+        if number % world_size == rank
+    ]
+
+
+def _fingerprint(data_point: DataPoint) -> int:
+    """A cheap checksum of a data point's text, to check that every rank evaluates the same data."""
+    return zlib.crc32(data_point.unlabeled_identifier.encode("utf-8"))
+
+
+@dataclass
+class _BatchPredictions:
+    """What one rank's ``predict`` produced for one evaluation batch."""
+
+    number: int
+    fingerprints: list[int]
+    labels: list[list[RecordedLabel]]
+    returned: Any  # what predict returned: None, a loss, or (loss sum, count); tensors on the CPU
+    rank: int
+
+
+class _Unsupported(str):
+    """A rank's note that it predicted labels it cannot send (the reason)."""
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(item, device) for item in value)
+    return value
+
+
+def _predict_batches(
+    model: flair.nn.Classifier,
+    data: Dataset,
+    batches: list[tuple[int, range]],
+    rank: int,
+    *,
+    mini_batch_size: int,
+    embedding_storage_mode: EmbeddingStorageMode,
+    return_loss: bool,
+) -> list[_BatchPredictions] | _Unsupported:
+    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out."""
+    predictions = []
+    with torch.no_grad():
+        for number, indices in batches:
+            batch: list[DataPoint] = [data[index] for index in indices]
+            for data_point in batch:
+                data_point.remove_labels(_PREDICTED)
+            returned = model.predict(
+                batch,
+                embedding_storage_mode=embedding_storage_mode,
+                mini_batch_size=mini_batch_size,
+                label_name=_PREDICTED,
+                return_loss=return_loss,
+            )
+            try:
+                labels = [record_labels(data_point, _PREDICTED) for data_point in batch]
+            except UnsupportedPrediction as error:
+                return _Unsupported(str(error))
+            store_embeddings(batch, embedding_storage_mode)
+            fingerprints = [_fingerprint(data_point) for data_point in batch]
+            returned = _to_device(returned, torch.device("cpu"))
+            predictions.append(_BatchPredictions(number, fingerprints, labels, returned, rank))
+    return predictions
+
+
+class _ReplayedPredictions:
+    """Stands in for the model inside flair's ``Classifier.evaluate``: ``predict`` adds the labels the ranks
+    predicted for the batch (batches come in order) and returns that batch's loss; everything else is the model's."""
+
+    def __init__(self, model: flair.nn.Classifier, batches: list[_BatchPredictions]) -> None:
+        self._model = model
+        self._batches = iter(sorted(batches, key=lambda batch: batch.number))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def predict(self, sentences: list[DataPoint], *, label_name: str, **kwargs: Any) -> Any:
+        batch = next(self._batches)
+        for data_point, labels in zip(sentences, batch.labels, strict=True):
+            restore_labels(data_point, label_name, labels)
+        return _to_device(batch.returned, flair.device)
+
+
+def _gather_to_global_zero(fabric: Fabric, value: Any) -> list[Any] | None:
+    """Every rank's ``value``, in rank order, on global rank 0 (``None`` elsewhere)."""
+    gathered: list[Any] | None = [None] * fabric.world_size if fabric.is_global_zero else None
+    torch.distributed.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def _ranks_with_other_data(
+    data: Dataset, batches: list[_BatchPredictions], mini_batch_size: int, world_size: int
+) -> list[int]:
+    """The ranks whose batches are not the ones global rank 0 would deal them from its own copy of ``data``."""
+    size = _len_dataset(data)
+    differing = set()
+    for batch in batches:
+        indices = range(batch.number * mini_batch_size, min((batch.number + 1) * mini_batch_size, size))
+        if batch.fingerprints != [_fingerprint(data[index]) for index in indices]:
+            differing.add(batch.rank)
+    numbers = {batch.number for batch in batches}
+    differing.update(number % world_size for number in range(-(-size // mini_batch_size)) if number not in numbers)
+    return sorted(differing)
+
+
+def _evaluate_sharded(
+    fabric: Fabric, model: flair.nn.Classifier, data: Dataset, out_path: Path | None, evaluate_kwargs: dict[str, Any]
+) -> Result | None:
+    """Predict this rank's share; on global rank 0 score everything with flair's evaluate (``None`` elsewhere)."""
+    arguments = _FLAIR_EVALUATE.bind(model, data, **evaluate_kwargs)
+    arguments.apply_defaults()
+    mini_batch_size = arguments.arguments["mini_batch_size"]
+    batches = batches_of_rank(_len_dataset(data), mini_batch_size, fabric.global_rank, fabric.world_size)
+    predicted = _predict_batches(
+        model,
+        data,
+        batches,
+        fabric.global_rank,
+        mini_batch_size=mini_batch_size,
+        embedding_storage_mode=arguments.arguments["embedding_storage_mode"],
+        return_loss=arguments.arguments["return_loss"],
+    )
+    gathered = _gather_to_global_zero(fabric, predicted)
+    if gathered is None:
+        return None
+    unsupported = [reason for reason in gathered if isinstance(reason, _Unsupported)]
+    if unsupported:
+        rank_zero_warn(f"evaluating on global rank 0 only: {unsupported[0]}.")
+        return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
+    predictions = [batch for rank_batches in gathered if isinstance(rank_batches, list) for batch in rank_batches]
+    differing = _ranks_with_other_data(data, predictions, mini_batch_size, fabric.world_size)
+    if differing:
+        rank_zero_warn(
+            f"rank(s) {differing} evaluated other data than global rank 0 (a corpus or a random sample that differs"
+            " across processes): evaluating on global rank 0 only."
+        )
+        return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
+    replay = _ReplayedPredictions(model, predictions)
+    return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
+
+
+def evaluate_across_ranks(
     fabric: Fabric,
     model: flair.nn.Model,
     data: Dataset,
@@ -24,15 +200,26 @@ def evaluate_on_global_zero(
     embeddings_storage_mode: EmbeddingStorageMode | None = None,
     **evaluate_kwargs: Any,
 ) -> Result:
-    """``model.evaluate(data, ...)`` on global rank 0; every rank returns rank 0's result.
+    """``model.evaluate(data, out_path=out_path, ...)`` with the prediction split across the ranks of ``fabric``.
 
-    ``embeddings_storage_mode``, if given, is applied to ``data`` after scoring, as flair's trainer does.
+    Every rank must call it with the same data. Every rank returns the same :class:`~flair.training_utils.Result`,
+    the one flair's ``evaluate`` gives in one process; only global rank 0 writes ``out_path``.
+    ``embeddings_storage_mode``, if given, is applied to ``data`` afterwards, as flair's trainer does.
     """
-    result: Result | None = None
-    if fabric.is_global_zero:
+    result: Result | None
+    if fabric.world_size == 1:
         result = model.evaluate(data, out_path=out_path, **evaluate_kwargs)
-        if embeddings_storage_mode is not None:
-            store_embeddings(data, embeddings_storage_mode)
-    result = fabric.broadcast(result, src=0)
+    elif isinstance(model, flair.nn.Classifier) and can_shard(model):
+        result = _evaluate_sharded(fabric, model, data, out_path if fabric.is_global_zero else None, evaluate_kwargs)
+    else:
+        rank_zero_warn(
+            f"{type(model).__name__} overrides flair's evaluate, which cannot be split across processes:"
+            " evaluating on global rank 0 only."
+        )
+        result = model.evaluate(data, out_path=out_path, **evaluate_kwargs) if fabric.is_global_zero else None
+    if embeddings_storage_mode is not None:
+        store_embeddings(data, embeddings_storage_mode)
+    if fabric.world_size > 1:
+        result = fabric.broadcast(result, src=0)
     assert result is not None
     return result

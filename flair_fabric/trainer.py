@@ -27,10 +27,10 @@ from flair.trainers.plugins import MetricRecord, TrainingInterrupt
 from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
 from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
-from flair_fabric.evaluation import evaluate_on_global_zero
+from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.metrics import LossTracker
 from flair_fabric.plugins import attach_builtin_plugins, for_world_size, log_on_global_zero_only
@@ -215,6 +215,14 @@ class FabricTrainer(ModelTrainer):
         flair.device = fabric.device
         with log_on_global_zero_only(fabric):
             return self._run(fabric, args, fabric_args)
+
+    def _sample_train_split(self, monitor_train_sample: float | int) -> Subset:
+        """flair's random train sample for ``monitor_train_sample``, drawn on global rank 0 and the same on every rank
+        (sharded evaluation needs the same data on all ranks; their ``random`` states may differ)."""
+        sample = super()._sample_train_split(monitor_train_sample)
+        if self.fabric is not None and self.fabric.world_size > 1:
+            sample = Subset(sample.dataset, self.fabric.broadcast(list(sample.indices), src=0))
+        return sample
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward through Fabric (precision, gradient scaler, strategy); plugins may still override it."""
@@ -521,7 +529,7 @@ class FabricTrainer(ModelTrainer):
         validation_scores: tuple = ()
 
         for split, split_data in run.evaluation_splits.items():
-            eval_result = evaluate_on_global_zero(
+            eval_result = evaluate_across_ranks(
                 run.fabric,
                 self.model,
                 split_data,
@@ -576,7 +584,7 @@ class FabricTrainer(ModelTrainer):
                 log.info("Loading model from best epoch ...")
             else:
                 log.info("Testing using last state of model ...")
-            test_results = evaluate_on_global_zero(
+            test_results = evaluate_across_ranks(
                 run.fabric,
                 self.model,
                 self.corpus.test,

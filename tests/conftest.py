@@ -9,12 +9,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before flair and transformers ar
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("LOCAL_RANK", None)
 
-from .support import UNION, run_script, write_config
+from .support import ANNEALED, UNION, run_script, write_config
 
 
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One user script, three trainings on 2 ranks started by the script relaunch (one process start-up)."""
+    """One user script, four trainings on 2 ranks started by the script relaunch (one process start-up)."""
     out = tmp_path_factory.mktemp("ddp")
     runs = [
         {"name": "union", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}},
@@ -24,6 +24,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "kwargs": {**UNION, "mini_batch_size": 4, "mini_batch_chunk_size": 2, "devices": 2},
         },
         {"name": "defaults", "method": "train", "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2}},
+        {"name": "annealed", "method": "train", "kwargs": ANNEALED},
     ]
     config = write_config(out / "config.json", {"out": str(out), "runs": runs})
     run_script("ddp_runs.py", str(config))

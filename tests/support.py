@@ -22,6 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 # flair arguments for runs whose weights are compared across launch methods: no shuffling, the final model
 UNION = {"max_epochs": 3, "learning_rate": 0.1, "shuffle": False, "use_final_model_for_eval": True}
+# a 2-rank run whose dev, train-sample and test evaluations are sharded (batches of 2) and drive annealing
+ANNEALED = {
+    "max_epochs": 4,
+    "mini_batch_size": 4,
+    "eval_batch_size": 2,
+    "learning_rate": 2.0,
+    "patience": 0,
+    "monitor_train_sample": 0.25,
+    "devices": 2,
+}
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
@@ -35,7 +45,9 @@ def small_wnut(folder: str | Path, train_size: int = 40, dev_size: int = 10, tes
     return wnut16_corpus(folder, train_size=train_size, dev_size=dev_size, test_size=test_size, seed=3)
 
 
-def tiny_text_classifier(corpus: Corpus, seed: int = 7) -> TextClassifier:
+def tiny_text_classifier(
+    corpus: Corpus, seed: int = 7, model_class: type[TextClassifier] = TextClassifier, **options: Any
+) -> TextClassifier:
     """A one-hot + mean-pooling text classifier without dropout (deterministic).
 
     Not flair's DocumentRNNEmbeddings: it zeroes its own gradients in every forward pass, so with
@@ -45,20 +57,26 @@ def tiny_text_classifier(corpus: Corpus, seed: int = 7) -> TextClassifier:
     words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
     document = DocumentPoolEmbeddings([words], fine_tune_mode="nonlinear")
     labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
-    return TextClassifier(document, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+    return model_class(document, label_type=TREC_LABEL_TYPE, label_dictionary=labels, **options)
 
 
-def tiny_sequence_tagger(corpus: Corpus, seed: int = 7) -> SequenceTagger:
-    """A one-hot + LSTM + CRF NER tagger without dropout (deterministic)."""
+def tiny_sequence_tagger(
+    corpus: Corpus,
+    seed: int = 7,
+    model_class: type[SequenceTagger] = SequenceTagger,
+    tag_type: str = WNUT16_LABEL_TYPE,
+    use_crf: bool = True,
+) -> SequenceTagger:
+    """A one-hot + LSTM (+ CRF) tagger without dropout (deterministic); NER spans by default."""
     flair.set_seed(seed)
     words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
-    tags = corpus.make_label_dictionary(WNUT16_LABEL_TYPE, add_unk=False)
-    return SequenceTagger(
+    tags = corpus.make_label_dictionary(tag_type, add_unk=False)
+    return model_class(
         hidden_size=16,
         embeddings=words,
         tag_dictionary=tags,
-        tag_type=WNUT16_LABEL_TYPE,
-        use_crf=True,
+        tag_type=tag_type,
+        use_crf=use_crf,
         dropout=0.0,
         word_dropout=0.0,
         locked_dropout=0.0,
@@ -94,6 +112,27 @@ def tiny_transformer_classifier(corpus: Corpus, bert_dir: str | Path, seed: int 
     embeddings = TransformerDocumentEmbeddings(str(bert_dir), fine_tune=True)
     labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
     return TextClassifier(embeddings, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+
+
+class RemembersPredictions:
+    """Mixin for a flair model: keeps the text of every data point its ``predict`` is called with."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.predicted_texts: list[str] = []
+
+    def predict(self, sentences: Any, *args: Any, **kwargs: Any) -> Any:
+        batch = sentences if isinstance(sentences, list) else [sentences]
+        self.predicted_texts.extend(sentence.to_original_text() for sentence in batch)
+        return super().predict(sentences, *args, **kwargs)  # type: ignore[misc]
+
+
+class CountingTextClassifier(RemembersPredictions, TextClassifier):
+    """A TextClassifier that remembers what it predicted."""
+
+
+class CountingSequenceTagger(RemembersPredictions, SequenceTagger):
+    """A SequenceTagger that remembers what it predicted."""
 
 
 class EventRecorder(TrainerPlugin):

@@ -25,16 +25,22 @@ from tests.support import (
 
 
 class Traces(TrainerPlugin):
-    """On every rank: the learning rate of every step, and a fingerprint of the weights at each epoch start."""
+    """On every rank: the learning rate of every step, a fingerprint of the weights at each epoch start, and what
+    each evaluation decided."""
 
     def __init__(self) -> None:
         super().__init__()
         self.learning_rates: list[float] = []
         self.weights: list[float] = []
+        self.evaluations: list[dict] = []
 
     @TrainerPlugin.hook
     def after_training_batch(self, **kw):
         self.learning_rates.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+    @TrainerPlugin.hook
+    def after_evaluation(self, current_model_is_best, validation_scores, **kw):
+        self.evaluations.append({"best": current_model_is_best, "scores": [float(x) for x in validation_scores]})
 
     @TrainerPlugin.hook
     def before_training_epoch(self, **kw):
@@ -79,6 +85,7 @@ for run in CONFIG["runs"]:
         "result": {k: (v if isinstance(v, (int, float)) else [float(x) for x in v]) for k, v in result.items()},
         "lr_trace": traces.learning_rates,
         "weight_trace": traces.weights,
+        "evaluations": traces.evaluations,
         "world_size": trainer.world_size,
         "local_rank": trainer.local_rank,
         "node_rank": trainer.fabric.node_rank,

@@ -1,0 +1,71 @@
+"""``flair_fabric.evaluate``: score a trained flair model outside training, with the prediction split across
+processes started (or found) by Fabric exactly as for training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import flair
+from flair.datasets import FlairDatapointDataset
+from flair.training_utils import Result
+from lightning.fabric import Fabric
+from torch.utils.data import Dataset
+
+from flair_fabric.evaluation import evaluate_across_ranks
+from flair_fabric.launch import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
+from flair_fabric.plugins import log_on_global_zero_only
+from flair_fabric.workers import run_on_every_rank
+
+
+@dataclass
+class _EvaluationJob:
+    """What every rank needs to score its share."""
+
+    model: flair.nn.Model
+    data: Dataset
+    out_path: Path | None
+    evaluate_kwargs: dict[str, Any]
+
+
+def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> Result:
+    flair.device = fabric.device
+    job.model.to(fabric.device)
+    job.model.eval()
+    with log_on_global_zero_only(fabric):
+        return evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
+
+
+def evaluate(
+    model: flair.nn.Model,
+    data_points: list | Dataset,
+    gold_label_type: str,
+    *,
+    out_path: str | Path | None = None,
+    accelerator: str = "auto",
+    devices: DevicesArgument = "auto",
+    num_nodes: int = 1,
+    strategy: StrategyArgument = "auto",
+    **evaluate_kwargs: Any,
+) -> Result:
+    """``model.evaluate(data_points, gold_label_type, ...)`` with the prediction split across processes.
+
+    Takes flair's ``evaluate`` arguments (``mini_batch_size``, ``main_evaluation_metric``, ``exclude_labels``,
+    ``gold_label_dictionary``, ``return_loss``, ``embedding_storage_mode``, ...) plus Lightning's ``accelerator``,
+    ``devices``, ``num_nodes`` and ``strategy``, which start processes as :class:`~flair_fabric.FabricTrainer` does.
+    Returns the :class:`~flair.training_utils.Result` flair's ``evaluate`` returns in one process; only global
+    rank 0 writes ``out_path``. Whole batches of ``mini_batch_size`` are dealt to the ranks, so a split needs at
+    least ``devices`` batches to keep every process busy.
+    """
+    config = make_launch_config(
+        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=None, use_amp=False
+    )
+    data = data_points if isinstance(data_points, Dataset) else FlairDatapointDataset(data_points)
+    job = _EvaluationJob(
+        model,
+        data,
+        Path(out_path) if out_path is not None else None,
+        {"gold_label_type": gold_label_type, **evaluate_kwargs},
+    )
+    return run_on_every_rank(build_fabric(config), _evaluate_on_rank, job)

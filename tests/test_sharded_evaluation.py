@@ -1,0 +1,321 @@
+"""Sharded evaluation: N ranks predict disjoint whole batches, flair's evaluate scores them once on rank 0."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import flair
+import pytest
+from flair.data import Label, Relation, Sentence
+from flair.datasets import FlairDatapointDataset
+from flair.models import TextClassifier
+from flair.trainers import ModelTrainer
+from flair.training_utils import Result
+from lightning.fabric import Fabric
+
+import flair_fabric
+from flair_fabric import FabricTrainer
+from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE
+from flair_fabric.evaluation import batches_of_rank, can_shard, evaluate_across_ranks
+from flair_fabric.launch import build_fabric, make_launch_config
+from flair_fabric.predictions import UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.workers import run_on_every_rank
+
+from .support import (
+    ANNEALED,
+    CountingSequenceTagger,
+    CountingTextClassifier,
+    small_trec,
+    small_wnut,
+    tiny_sequence_tagger,
+    tiny_text_classifier,
+)
+
+SIZES = (7, 8, 1, 0)  # not divisible by the ranks, divisible, fewer data points than ranks, empty
+BATCH = 2
+SHAPE = "shape"
+
+
+class OwnEvaluateClassifier(CountingTextClassifier):
+    """A classifier with its own ``evaluate``: it cannot be sharded and must be evaluated on rank 0 alone."""
+
+    def evaluate(self, *args, **kwargs) -> Result:  # type: ignore[override]
+        return super().evaluate(*args, **kwargs)
+
+
+@dataclass
+class Case:
+    name: str
+    model: flair.nn.Classifier
+    data: list[Sentence]
+    label_type: str
+
+    def split(self, size: int) -> FlairDatapointDataset:
+        return FlairDatapointDataset(self.data[:size])
+
+
+def _shape(text: str) -> str:
+    if text.isdigit():
+        return "digits"
+    if text[:1].isupper():
+        return "capital"
+    return "lower" if text.isalpha() else "other"
+
+
+def _cases(folder: Path) -> list[Case]:
+    trec = small_trec()
+    text = tiny_text_classifier(trec, model_class=CountingTextClassifier)
+    own = tiny_text_classifier(trec, model_class=OwnEvaluateClassifier)
+
+    multi_corpus = small_trec(seed=5)
+    for index, sentence in enumerate(multi_corpus.get_all_sentences()):
+        if index % 3 == 0:
+            sentence.add_label(TREC_LABEL_TYPE, "EXTRA")
+    multi = tiny_text_classifier(
+        multi_corpus, model_class=CountingTextClassifier, multi_label=True, multi_label_threshold=0.45
+    )
+
+    wnut = small_wnut(folder / "wnut")
+    for sentence in wnut.get_all_sentences():
+        for token in sentence:
+            token.add_label(SHAPE, _shape(token.text))
+    spans = tiny_sequence_tagger(wnut, model_class=CountingSequenceTagger)
+    tokens = tiny_sequence_tagger(wnut, model_class=CountingSequenceTagger, tag_type=SHAPE, use_crf=False)
+
+    def first(corpus, count: int = 8) -> list[Sentence]:
+        return [corpus.train[index] for index in range(count)]
+
+    return [
+        Case("text", text, first(trec), TREC_LABEL_TYPE),
+        Case("multi_label", multi, first(multi_corpus), TREC_LABEL_TYPE),
+        Case("ner_spans", spans, first(wnut), WNUT16_LABEL_TYPE),
+        Case("token_level", tokens, first(wnut), SHAPE),
+        Case("own_evaluate", own, first(trec), TREC_LABEL_TYPE),
+    ]
+
+
+def _evaluate_every_case(fabric: Fabric, job: tuple[Path, list[Case]]) -> dict[str, Result]:
+    """On each rank: every case at every size; the texts each rank predicted go to a file per rank."""
+    out, cases = job
+    results = {}
+    for case in cases:
+        case.model.predicted_texts.clear()
+        for size in SIZES:
+            results[f"{case.name}-{size}"] = evaluate_across_ranks(
+                fabric,
+                case.model,
+                case.split(size),
+                out_path=out / f"{case.name}-{size}-sharded.tsv",
+                gold_label_type=case.label_type,
+                mini_batch_size=BATCH,
+            )
+    predicted = {case.name: case.model.predicted_texts for case in cases}
+    (out / f"predicted-rank{fabric.global_rank}.json").write_text(json.dumps(predicted))
+    return results
+
+
+def _assert_same_result(sharded: Result, single: Result) -> None:
+    assert sharded.main_score == single.main_score
+    assert sharded.detailed_results == single.detailed_results
+    assert sharded.classification_report == single.classification_report
+    assert sharded.scores.keys() == single.scores.keys()
+    for key, value in single.scores.items():
+        # the same per-batch losses summed in the same order; worker processes may use fewer BLAS threads
+        assert sharded.scores[key] == (pytest.approx(value, rel=1e-6, abs=1e-9) if key == "loss" else value), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world_size: int, tmp_path: Path) -> None:
+    cases = _cases(tmp_path)
+    config = make_launch_config(
+        accelerator="cpu", devices=world_size, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
+    )
+    sharded = run_on_every_rank(build_fabric(config), _evaluate_every_case, (tmp_path, cases))
+
+    predicted = [json.loads((tmp_path / f"predicted-rank{rank}.json").read_text()) for rank in range(world_size)]
+    for case in cases:
+        expected_texts = Counter(sentence.to_original_text() for size in SIZES for sentence in case.data[:size])
+        per_rank = [Counter(texts[case.name]) for texts in predicted]
+        # every data point predicted exactly once in total: no padding duplicates, nothing left out
+        assert sum(per_rank, Counter()) == expected_texts, case.name
+        if case.name == "own_evaluate":  # not shardable: rank 0 predicts everything
+            assert all(not counts for counts in per_rank[1:])
+        else:  # whole batches of 2 dealt round robin: every rank gets work from the 8-point split
+            assert all(counts for counts in per_rank), case.name
+
+        for size in SIZES:
+            single = case.model.evaluate(
+                case.split(size),
+                gold_label_type=case.label_type,
+                out_path=tmp_path / f"{case.name}-{size}-single.tsv",
+                mini_batch_size=BATCH,
+            )
+            _assert_same_result(sharded[f"{case.name}-{size}"], single)
+            written = (tmp_path / f"{case.name}-{size}-sharded.tsv").read_bytes()
+            assert written == (tmp_path / f"{case.name}-{size}-single.tsv").read_bytes(), f"{case.name}-{size}"
+
+
+def _ranks_disagree(fabric: Fabric, job: tuple[Path, Case]) -> dict:
+    """Each rank: flair's and FabricTrainer's train sample under different random states; then evaluations of data
+    that differ on rank 1 (reordered, shorter)."""
+    out, case = job
+    corpus = small_trec()
+    random.seed(1000 + fabric.global_rank)
+    flair_sample = ModelTrainer(case.model, corpus)._sample_train_split(0.25).indices
+    random.seed(1000 + fabric.global_rank)
+    trainer = FabricTrainer(case.model, corpus)
+    trainer.fabric = fabric
+    fabric_sample = trainer._sample_train_split(0.25).indices
+    (out / f"samples-rank{fabric.global_rank}.json").write_text(json.dumps([flair_sample, fabric_sample]))
+
+    data = case.data
+    on_this_rank = {"reordered": data[::-1], "shorter": data[:3]} if fabric.global_rank == 1 else {}
+    return {
+        name: evaluate_across_ranks(
+            fabric,
+            case.model,
+            FlairDatapointDataset(on_this_rank.get(name, data)),
+            out_path=None,
+            gold_label_type=case.label_type,
+            mini_batch_size=BATCH,
+        )
+        for name in ("reordered", "shorter")
+    }
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_hold_different_data_never_give_a_wrong_number(tmp_path: Path) -> None:
+    case = _cases(tmp_path)[0]
+    config = make_launch_config(
+        accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
+    )
+    results = run_on_every_rank(build_fabric(config), _ranks_disagree, (tmp_path, case))
+    # rank 1 predicted other sentences than rank 0 would deal it: rank 0 evaluates everything itself
+    single = case.model.evaluate(case.split(len(case.data)), case.label_type, mini_batch_size=BATCH)
+    for name in ("reordered", "shorter"):
+        _assert_same_result(results[name], single)
+
+    # the monitor_train_sample split: flair draws it from each rank's own random state, FabricTrainer from rank 0's
+    (flair0, fabric0), (flair1, fabric1) = (
+        json.loads((tmp_path / f"samples-rank{rank}.json").read_text()) for rank in (0, 1)
+    )
+    assert flair0 != flair1, "the ranks' random states differ, so flair's samples differ"
+    assert fabric0 == fabric1 == flair0
+
+
+@pytest.mark.multiprocess
+def test_training_evaluations_are_sharded_and_every_rank_takes_the_same_decisions(
+    two_rank_runs: Path, tmp_path: Path
+) -> None:
+    run_dir = two_rank_runs / "annealed"
+    rank0, rank1 = (json.loads((run_dir / f"summary-rank{rank}.json").read_text()) for rank in (0, 1))
+    # the same scores, best-model flags and annealed learning rates on both ranks, step by step
+    assert rank0["evaluations"] == rank1["evaluations"]
+    assert [evaluation["best"] for evaluation in rank0["evaluations"]].count(True) >= 1
+    assert rank0["lr_trace"] == rank1["lr_trace"]
+    assert len(set(rank0["lr_trace"])) > 1, "the plateau annealed the learning rate at least once"
+
+    # the final test evaluation (sharded) equals flair's evaluate of the best model in one process, file included
+    best = TextClassifier.load(run_dir / "best-model.pt")
+    single = best.evaluate(
+        small_trec().test,
+        TREC_LABEL_TYPE,
+        out_path=tmp_path / "test.tsv",
+        mini_batch_size=ANNEALED["eval_batch_size"],
+        return_loss=False,
+    )
+    assert rank0["result"]["test_score"] == rank1["result"]["test_score"] == single.main_score
+    assert (run_dir / "test.tsv").read_bytes() == (tmp_path / "test.tsv").read_bytes()
+    # the last dev evaluation wrote dev.tsv once; the dev score history is what every rank saw
+    assert (run_dir / "dev.tsv").exists() and (run_dir / "train_sample.tsv").exists()
+    assert [evaluation["scores"][0] for evaluation in rank0["evaluations"]] == rank0["result"]["dev_score_history"]
+
+
+@pytest.mark.multiprocess
+def test_public_evaluate_under_spawn_moves_ner_sentences_and_equals_flair(tmp_path: Path) -> None:
+    corpus = small_wnut(tmp_path / "wnut")
+    model = tiny_sequence_tagger(corpus)
+    sentences = [corpus.dev[index] for index in range(len(corpus.dev))]
+    sharded = flair_fabric.evaluate(
+        model,
+        sentences,
+        WNUT16_LABEL_TYPE,
+        out_path=tmp_path / "sharded.tsv",
+        mini_batch_size=3,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+    )
+    single = model.evaluate(sentences, WNUT16_LABEL_TYPE, out_path=tmp_path / "single.tsv", mini_batch_size=3)
+    _assert_same_result(sharded, single)
+    assert (tmp_path / "sharded.tsv").read_bytes() == (tmp_path / "single.tsv").read_bytes()
+
+
+def test_public_evaluate_on_one_device_is_flairs_evaluate(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    sharded = flair_fabric.evaluate(model, corpus.test, TREC_LABEL_TYPE, accelerator="cpu", devices=1)
+    single = model.evaluate(corpus.test, TREC_LABEL_TYPE)
+    assert sharded.scores == single.scores
+    assert sharded.detailed_results == single.detailed_results
+
+
+def test_bad_arguments_are_refused_before_any_process_starts() -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    with pytest.raises(ValueError, match="strategy='nope'"):
+        flair_fabric.evaluate(model, corpus.test, TREC_LABEL_TYPE, accelerator="cpu", devices=2, strategy="nope")
+
+
+@pytest.mark.parametrize(("size", "batch_size", "world_size"), [(7, 2, 2), (8, 2, 3), (1, 2, 3), (0, 4, 2), (9, 3, 2)])
+def test_whole_batches_are_dealt_round_robin(size: int, batch_size: int, world_size: int) -> None:
+    dealt = [batches_of_rank(size, batch_size, rank, world_size) for rank in range(world_size)]
+    numbers = sorted(number for batches in dealt for number, _ in batches)
+    indices = sorted(index for batches in dealt for _, batch in batches for index in batch)
+    assert numbers == list(range(-(-size // batch_size)))
+    assert indices == list(range(size))
+    for batches in dealt:
+        for number, batch in batches:  # the same batches flair's DataLoader makes in one process
+            assert list(batch) == list(range(number * batch_size, min((number + 1) * batch_size, size)))
+
+
+def test_models_with_their_own_evaluate_are_not_sharded() -> None:
+    corpus = small_trec()
+    assert can_shard(tiny_text_classifier(corpus))
+    assert not can_shard(tiny_text_classifier(corpus, model_class=OwnEvaluateClassifier))
+
+
+def test_predicted_labels_move_to_another_copy_of_the_sentence() -> None:
+    def build() -> Sentence:
+        return Sentence("George Washington went to Washington .")
+
+    source = build()
+    source.add_label("predicted", "PLACE", 0.7)
+    source.add_label("predicted", "PERSON", 0.2, note="second")
+    source[0].add_label("predicted", "capital", 0.9)
+    person, place = source[0:2], source[4:5]
+    person.add_label("predicted", "PER", 0.8)
+    place.add_label("predicted", "LOC", 0.6)
+    Relation(person, place).add_label("predicted", "went_to", 0.5)
+
+    recorded = record_labels(source, "predicted")
+    copy = build()
+    restore_labels(copy, "predicted", recorded)
+    assert [repr(label) for label in copy.get_labels("predicted")] == [
+        repr(label) for label in source.get_labels("predicted")
+    ]
+    assert [label.labeled_identifier for label in copy.get_labels("predicted")] == [
+        label.labeled_identifier for label in source.get_labels("predicted")
+    ]
+
+
+def test_a_label_on_something_outside_the_data_point_cannot_be_moved() -> None:
+    sentence, elsewhere = Sentence("a b"), Sentence("c")
+    sentence.annotation_layers["predicted"] = [Label(elsewhere[0], "X")]
+    with pytest.raises(UnsupportedPrediction, match="Token"):
+        record_labels(sentence, "predicted")
