@@ -2,7 +2,8 @@
 
 flair's losses are sums over data points. Each rank keeps the sum of its losses as a device tensor and the number
 of data points as an int; one all-reduce at a log point or at the end of an epoch turns them into the
-sample-weighted global mean, the same number on every rank. Nothing here synchronises inside the training step.
+sample-weighted global mean, the same number on every rank. Nothing here synchronises inside the training step
+(the per-step batch loss travels with :class:`~flair_fabric.lockstep.Lockstep`'s agreement).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from lightning.fabric import Fabric
 
 
-def _accumulator_dtype(device: torch.device) -> torch.dtype:
+def accumulator_dtype(device: torch.device) -> torch.dtype:
+    """float64 where the device has it, for sums that must not lose data points."""
     return torch.float32 if device.type == "mps" else torch.float64
 
 
@@ -31,7 +33,7 @@ class LossTracker:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.loss_sum = torch.zeros((), dtype=_accumulator_dtype(device), device=device)
+        self.loss_sum = torch.zeros((), dtype=accumulator_dtype(device), device=device)
         self.data_points = 0
 
     def add(self, loss_sum: torch.Tensor, data_points: int) -> None:

@@ -11,19 +11,25 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import flair
+import torch
+from flair.nn.model import ReduceTransformerVocabMixin
 from flair.optim import LinearSchedulerWithWarmup
 from flair.trainers.plugins import (
     AnnealingPlugin,
     CheckpointPlugin,
+    DeepNCMPlugin,
     LinearSchedulerPlugin,
     LogFilePlugin,
     LossFilePlugin,
     ReduceTransformerVocabPlugin,
+    TensorboardLogger,
     TrainerPlugin,
     WeightExtractorPlugin,
 )
+from flair.trainers.plugins.functional.reduce_transformer_vocab import get_transformer_embeddings
 from lightning.fabric import Fabric
 
 from flair_fabric.checkpoint import load_from_global_zero
@@ -76,6 +82,100 @@ class BroadcastRestartAnnealingPlugin(AnnealingPlugin):
         return {**super().get_state(), "anneal_with_restarts": self.restart_from_best}
 
 
+class EveryRankCheckpointPlugin(CheckpointPlugin):
+    """flair's ``save_model_each_k_epochs`` checkpoints, written once by global rank 0 through the trainer.
+
+    flair's plugin runs on rank 0 alone and saves there; a save that needs the other ranks (a sharded model's
+    state) would then wait for ranks that are already in the next step's collectives, and the run would hang. Here
+    every rank reaches the save together and the trainer writes the file once, atomically.
+    """
+
+    @property
+    def attach_to_all_processes(self) -> bool:
+        return True
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, epoch: int, **kw: Any) -> None:
+        """Save ``model_epoch_<epoch>.pt`` every k epochs."""
+        if self.save_model_each_k_epochs > 0 and epoch % self.save_model_each_k_epochs == 0:
+            log.info(
+                f"Saving model at current epoch since 'save_model_each_k_epochs={self.save_model_each_k_epochs}'"
+                " was set"
+            )
+            self.trainer._save_model(Path(self.base_path) / f"model_epoch_{epoch}.pt", self.save_optimizer_state)
+
+
+class SummedPrototypesDeepNCMPlugin(DeepNCMPlugin):
+    """flair's DeepNCM prototype updates from the batches of all ranks.
+
+    Each rank's decoder accumulates the embeddings of its own batch; summing the accumulators over the ranks before
+    the update gives every rank the prototypes one process computes on the union of the batches.
+    """
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, **kwargs: Any) -> None:
+        """Sum the prototype updates over the ranks, then update the prototypes."""
+        fabric: Fabric = self.trainer.fabric
+        for decoder in self.decoders:
+            updates = fabric.all_reduce(decoder.prototype_updates, reduce_op="sum")
+            counts = fabric.all_reduce(decoder.prototype_update_counts, reduce_op="sum")
+            decoder.prototype_updates = cast(torch.Tensor, updates)
+            decoder.prototype_update_counts = cast(torch.Tensor, counts)
+            decoder.update_prototypes()
+
+
+class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
+    """flair's ``reduce_transformer_vocab=True`` for several processes.
+
+    flair reduces the vocabulary in ``after_setup`` on rank 0 only, after the model was wrapped: rank 0's embedding
+    matrix shrinks while the other ranks keep theirs, and the ranks' weights silently diverge. Here the trainer
+    reduces it on every rank, from the same token list, before DDP wraps the model
+    (:func:`reduce_vocabulary_before_wrapping`); this plugin only writes the model files with the full vocabulary
+    back at the end, once.
+    """
+
+    @property
+    def attach_to_all_processes(self) -> bool:
+        return True
+
+    def register_transformer_smaller_training_vocab(self, **kw: Any) -> None:
+        """Not a hook here: the trainer has reduced the vocabulary already."""
+
+    @TrainerPlugin.hook("after_training")
+    def save_model_at_the_end(self, **kw: Any) -> None:
+        """Rewrite best-model.pt (or final-model.pt) with the restored full vocabulary, once, on global rank 0."""
+        fabric: Fabric = self.trainer.fabric
+        for name in ("best-model.pt", "final-model.pt"):
+            path = Path(self.base_path) / name
+            if fabric.broadcast(path.exists() if fabric.is_global_zero else None, src=0):
+                self.trainer._save_model(path, self.save_optimizer_state)
+                return
+
+
+def reduce_vocabulary_before_wrapping(trainer: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """What flair's ``ReduceTransformerVocabPlugin.after_setup`` does, on every rank and before the model is wrapped:
+    keep only the transformer tokens the corpus uses, until ``trainer.context_stack`` closes. Returns whether the
+    model could be reduced (flair's conditions and warnings)."""
+    from transformer_smaller_training_vocab import reduce_train_vocab
+
+    model: flair.nn.Model = trainer.model
+    if not isinstance(model, ReduceTransformerVocabMixin):
+        log.warning("Cannot reduce the transformer vocab: model is not supported.")
+        return False
+    embeddings = get_transformer_embeddings(model)
+    if not embeddings:
+        log.warning("Cannot reduce the transformer vocab: no transformer embeddings found.")
+        return False
+    max_context_length = max(embedding.context_length for embedding in embeddings)
+    respect_document_boundaries = all(embedding.respect_document_boundaries for embedding in embeddings)
+    tokens = list(filter(None, model.get_used_tokens(trainer.corpus, max_context_length, respect_document_boundaries)))
+    for embedding in embeddings:
+        trainer.context_stack.enter_context(
+            reduce_train_vocab(model=embedding.model, tokenizer=embedding.tokenizer, texts=tokens, optimizer=optimizer)
+        )
+    return True
+
+
 def for_world_size(plugins: Sequence[TrainerPlugin], world_size: int) -> list[TrainerPlugin]:
     """The user's plugins, with flair's plugins that break under distribution swapped for fixed ones."""
     if world_size == 1:
@@ -84,6 +184,12 @@ def for_world_size(plugins: Sequence[TrainerPlugin], world_size: int) -> list[Tr
 
 
 def _distributed_version(plugin: TrainerPlugin) -> TrainerPlugin:
+    if type(plugin) is CheckpointPlugin:
+        return EveryRankCheckpointPlugin(plugin.save_model_each_k_epochs, plugin.save_optimizer_state, plugin.base_path)
+    if type(plugin) is ReduceTransformerVocabPlugin:
+        return EveryRankReduceTransformerVocabPlugin(plugin.base_path, plugin.save_optimizer_state)
+    if type(plugin) is DeepNCMPlugin:
+        return SummedPrototypesDeepNCMPlugin()
     if type(plugin) is LinearSchedulerPlugin:
         return ShardedLinearSchedulerPlugin(warmup_fraction=plugin.warmup_fraction)
     if type(plugin) is AnnealingPlugin and plugin.anneal_with_restarts:
@@ -119,14 +225,21 @@ def attach_builtin_plugins(
             LossFilePlugin(base_path=base_path, epoch=epoch).attach_to(trainer)
         if write_weights:
             WeightExtractorPlugin(base_path=base_path).attach_to(trainer)
+    functional: list[TrainerPlugin] = []
     if reduce_transformer_vocab:
-        ReduceTransformerVocabPlugin(base_path=base_path, save_optimizer_state=save_optimizer_state).attach_to(trainer)
+        functional.append(ReduceTransformerVocabPlugin(base_path=base_path, save_optimizer_state=save_optimizer_state))
     if save_model_each_k_epochs > 0:
-        CheckpointPlugin(
-            save_model_each_k_epochs=save_model_each_k_epochs,
-            save_optimizer_state=save_optimizer_state,
-            base_path=base_path,
-        ).attach_to(trainer)
+        functional.append(CheckpointPlugin(save_model_each_k_epochs, save_optimizer_state, base_path))
+    for plugin in for_world_size(functional, fabric.world_size):
+        plugin.attach_to(trainer)
+
+
+def release_unattached(plugins: Sequence[TrainerPlugin]) -> None:
+    """Close what a logger plugin opened in its constructor on a rank where it is not attached (it never reaches
+    its own closing hook there): the event file of flair's ``TensorboardLogger``."""
+    for plugin in plugins:
+        if plugin.pluggable is None and isinstance(plugin, TensorboardLogger) and hasattr(plugin, "writer"):
+            plugin.writer.close()
 
 
 @contextmanager

@@ -74,12 +74,26 @@ class FlairDDPStrategy(DDPStrategy):
         return super().setup_module(module)
 
 
+def _state_a_forward_pass_may_change(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Copies of the buffers and plain tensor attributes of every module: running statistics, accumulators such as
+    the prototype updates of flair's DeepNCM decoder."""
+    saved = []
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            saved.append((module, name, buffer.detach().clone()))
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                saved.append((module, name, value.detach().clone()))
+    return saved
+
+
 def parameters_without_gradient(model: flair.nn.Model, batch: list) -> list[str]:
     """Names of trainable parameters that get no gradient from one ``forward_loss`` on ``batch``.
 
-    The probe leaves no trace: random number generators are restored, gradients are reset and the embeddings the
-    forward pass stored on the data points are deleted.
+    The probe leaves no trace: random number generators are restored, gradients are reset, buffers and tensor
+    attributes the forward pass changed are put back and the embeddings it stored on the data points are deleted.
     """
+    saved_state = _state_a_forward_pass_may_change(model)
     python_state = random.getstate()
     devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
     was_training = model.training
@@ -93,6 +107,8 @@ def parameters_without_gradient(model: flair.nn.Model, batch: list) -> list[str]
             unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     finally:
         random.setstate(python_state)
+        for module, name, value in saved_state:
+            setattr(module, name, value)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
         store_embeddings(batch, "none")

@@ -32,8 +32,16 @@ from torch.utils.data import Dataset, Subset
 from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
 from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
+from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import LossTracker
-from flair_fabric.plugins import attach_builtin_plugins, for_world_size, log_on_global_zero_only
+from flair_fabric.plugins import (
+    attach_builtin_plugins,
+    for_world_size,
+    log_on_global_zero_only,
+    reduce_vocabulary_before_wrapping,
+    release_unattached,
+)
+from flair_fabric.progress import EpochProgressBar, show_progress_bar
 from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
 from flair_fabric.strategies import resolve_unused_parameters
 from flair_fabric.workers import run_on_every_rank, starts_workers
@@ -48,6 +56,7 @@ _FABRIC_PARAMETERS = [
     inspect.Parameter("num_nodes", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
     inspect.Parameter("strategy", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="StrategyArgument"),
     inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
+    inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
 ]
 
 _FABRIC_DOC = """
@@ -57,6 +66,7 @@ _FABRIC_DOC = """
             num_nodes: number of machines.
             strategy: "auto" or "ddp", or a FlairDDPStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
+            progress_bar: a bar per epoch on global rank 0: True, False, or None (only when stderr is a terminal).
 """
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -95,6 +105,7 @@ class _RunState:
     best_epoch_score: float
     save_best_model: bool
     precision: str
+    show_progress_bar: bool
     batch_count: int = 0
     dynamic_embeddings: list[str] | None = None
 
@@ -111,6 +122,8 @@ class FabricTrainer(ModelTrainer):
         super().__init__(model, corpus)
         self.fabric: Fabric | None = None
         self.steps_per_epoch: int = 0
+        self._lockstep: Lockstep | None = None
+        self.epoch_samples: int = 0
 
     # --- the run's topology, for plugins ------------------------------------------------------------------------
 
@@ -154,6 +167,7 @@ class FabricTrainer(ModelTrainer):
         num_nodes: int = 1,
         strategy: StrategyArgument = "auto",
         precision: str | None = None,
+        progress_bar: bool | None = None,
         **kwargs: Any,
     ) -> dict:
         bound = _FLAIR_TRAIN_CUSTOM.bind(self, base_path, *args, **kwargs)
@@ -181,6 +195,7 @@ class FabricTrainer(ModelTrainer):
             "num_nodes": config.num_nodes,
             "strategy": config.strategy if isinstance(config.strategy, str) else type(config.strategy).__name__,
             "precision": config.precision,
+            "progress_bar": show_progress_bar(progress_bar, is_global_zero=True),  # checked before any process starts
         }
         if not starts_workers(fabric):
             return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
@@ -202,11 +217,6 @@ class FabricTrainer(ModelTrainer):
                 f"the train split has {size} data point(s) for {config.world_size} processes: every process needs"
                 " at least one; use fewer devices or more training data."
             )
-        if args.reduce_transformer_vocab and config.world_size > 1:
-            raise ValueError(
-                "reduce_transformer_vocab=True is not supported with more than one process yet (flair reduces the"
-                " vocabulary on rank 0 only); train with reduce_transformer_vocab=False or devices=1."
-            )
 
     # --- one rank's run -----------------------------------------------------------------------------------------
 
@@ -224,6 +234,21 @@ class FabricTrainer(ModelTrainer):
             sample = Subset(sample.dataset, self.fabric.broadcast(list(sample.indices), src=0))
         return sample
 
+    def dispatch(self, event: str, *args: Any, **kwargs: Any) -> None:
+        """flair's event dispatch; with several processes a plugin's ``TrainingInterrupt`` inside the epoch loop waits
+        for the next point where all ranks agree to stop (see :mod:`flair_fabric.lockstep`)."""
+        if self._lockstep is None or event not in DEFERRED_EVENTS:
+            return super().dispatch(event, *args, **kwargs)
+        try:
+            super().dispatch(event, *args, **kwargs)
+        except TrainingInterrupt as stop:
+            self._lockstep.hold(stop)
+
+    def _agree_on_stopping(self) -> None:
+        """Every rank raises ``TrainingInterrupt`` here if a plugin on any rank stopped since the last agreement."""
+        if self._lockstep is not None:
+            self._lockstep.agree()
+
     def _backward(self, loss: torch.Tensor) -> None:
         """Backward through Fabric (precision, gradient scaler, strategy); plugins may still override it."""
         assert self.fabric is not None
@@ -238,12 +263,16 @@ class FabricTrainer(ModelTrainer):
         load_from_global_zero(self.fabric, self.model, model_file)
 
     def _run(self, fabric: Fabric, a: SimpleNamespace, fabric_args: dict) -> dict:
-        run, plugins, parameters = self._set_up_run(fabric, a, fabric_args)
         with contextlib.ExitStack() as context_stack:
             self.context_stack = context_stack
+            run, plugins, parameters = self._set_up_run(fabric, a, fabric_args)
             self.dispatch("after_setup", **parameters)
             self._log_setup(run, plugins)
-            self._train_epochs(run)
+            self._lockstep = Lockstep(fabric) if fabric.world_size > 1 else None
+            try:
+                self._train_epochs(run)
+            finally:
+                self._lockstep = None
             self._test_final_model(run)
 
         self.dispatch("after_training")
@@ -259,7 +288,8 @@ class FabricTrainer(ModelTrainer):
 
         plugins = for_world_size(a.plugins if a.plugins is not None else [], fabric.world_size)
         for plugin in plugins:
-            plugin.attach_to(self)
+            plugin.attach_to(self)  # flair's attach: global rank 0 only for attach_to_all_processes=False
+        release_unattached(plugins)
         attach_builtin_plugins(
             self,
             fabric,
@@ -319,18 +349,22 @@ class FabricTrainer(ModelTrainer):
             best_epoch_score=0 if determine_best_epoch_using_dev_score else float("inf"),
             save_best_model=not a.train_with_dev and not a.use_final_model_for_eval,
             precision=fabric_args["precision"],
+            show_progress_bar=fabric_args["progress_bar"] and fabric.is_global_zero,
         )
         return run, plugins, parameters
 
     def _set_up_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace, train_data: Dataset) -> _FabricModule:
         """Place and wrap the model (DDP decides about unused parameters first), then build the optimizer."""
         fabric.to_device(self.model)
+        a.kwargs["lr"] = a.learning_rate
+        optimizer = self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs)
+        if a.reduce_transformer_vocab and fabric.world_size > 1:
+            reduce_vocabulary_before_wrapping(self, optimizer)  # on every rank, before DDP sees the parameters
         probe = [train_data[i] for i in range(min(a.mini_batch_size, _len_dataset(train_data)))]
         resolve_unused_parameters(fabric, self.model, probe)
         module = fabric.setup_module(self.model)
         module.mark_forward_method("forward_loss")
-        a.kwargs["lr"] = a.learning_rate
-        self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs))
+        self.optimizer = fabric.setup_optimizers(optimizer)
         return module
 
     def _train_epochs(self, run: _RunState) -> None:
@@ -343,6 +377,7 @@ class FabricTrainer(ModelTrainer):
                 log_line(log)
                 log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
                 self.dispatch("after_training_epoch", epoch=epoch)
+                self._agree_on_stopping()
                 self._evaluate_epoch(run, epoch, train_loss)
 
             self.dispatch("after_training_loop")
@@ -431,7 +466,9 @@ class FabricTrainer(ModelTrainer):
         """Train one epoch; returns the global train loss and the last learning-rate log text."""
         fabric, a = run.fabric, run.args
         log_line(log)
+        self.epoch_samples = 0
         self.dispatch("before_training_epoch", epoch=epoch)
+        self._agree_on_stopping()
         self.model.model_card["training_parameters"]["epoch"] = epoch  # type: ignore[index]
         lr_info, _ = self._get_current_lr_and_momentum(run.batch_count)
 
@@ -451,39 +488,64 @@ class FabricTrainer(ModelTrainer):
         epoch_start_time = time.time()
         log_modulo = max(1, int(len(batch_loader) / 10))
 
-        for batch_no, batch in enumerate(batch_loader):
-            run.batch_count += 1
-            batch_kw = {
-                "batch_no": batch_no,
-                "batch": batch,
-                "total_number_of_batches": len(batch_loader),
-                "epoch": epoch,
-                "batch_count": run.batch_count,
-            }
-            batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw)
-            if batch_loss.data_points > 0:
-                self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
-                if gradient_norm is not None:
-                    self._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, run.batch_count))
-                epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
+        bar = EpochProgressBar(run.show_progress_bar, epoch, len(batch_loader))
+        try:
+            for batch_no, batch in enumerate(batch_loader):
+                run.batch_count += 1
+                batch_kw = {
+                    "batch_no": batch_no,
+                    "batch": batch,
+                    "total_number_of_batches": len(batch_loader),
+                    "epoch": epoch,
+                    "batch_count": run.batch_count,
+                }
+                batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw)
+                if batch_loss.data_points > 0:
+                    if self._lockstep is None:  # one process: flair's order; several: recorded globally in _end_step
+                        self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
+                    if gradient_norm is not None:
+                        self._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, run.batch_count))
+                    epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
 
-            if (batch_no + 1) % log_modulo == 0:
-                progress = epoch_loss.global_loss(fabric)
-                elapsed = time.time() - epoch_start_time
-                lr_info, momentum_info = self._get_current_lr_and_momentum(run.batch_count)
-                log.info(
-                    f"epoch {epoch}"
-                    f" - iter {batch_no + 1}/{len(batch_loader)}"
-                    f" - loss {progress.mean:.8f}"
-                    f" - time (sec): {elapsed:.2f}"
-                    f" - samples/sec: {progress.data_points / elapsed:.2f}"
-                    f"{lr_info}{momentum_info}"
-                )
-            self.dispatch("after_training_batch", **batch_kw)
+                if (batch_no + 1) % log_modulo == 0:
+                    progress = epoch_loss.global_loss(fabric)
+                    elapsed = time.time() - epoch_start_time
+                    lr_info, momentum_info = self._get_current_lr_and_momentum(run.batch_count)
+                    log.info(
+                        f"epoch {epoch}"
+                        f" - iter {batch_no + 1}/{len(batch_loader)}"
+                        f" - loss {progress.mean:.8f}"
+                        f" - time (sec): {elapsed:.2f}"
+                        f" - samples/sec: {progress.data_points / elapsed:.2f}"
+                        f"{lr_info}{momentum_info}"
+                    )
+                self.dispatch("after_training_batch", **batch_kw)
+                bar.step(self.epoch_samples, self._end_step(run, batch_loss, len(batch)))
+        finally:
+            bar.close()
 
         train_loss = epoch_loss.global_loss(fabric).mean
         self._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
         return train_loss, lr_info
+
+    def _end_step(self, run: _RunState, batch_loss: LossTracker, batch_size: int) -> Callable[[], float]:
+        """Count the step's data points (all ranks) and return a reader of the step's loss.
+
+        With several processes one all-reduce ends the step on every rank: it stops all ranks if a plugin on any
+        rank stopped, turns the step's loss into the global mean for the ``train/batch_loss`` record and counts the
+        step's data points over all ranks.
+        """
+        if self._lockstep is None:
+            self.epoch_samples += batch_size
+            return lambda: float(batch_loss.mean())
+        device = run.fabric.device
+        counts = torch.tensor(batch_loss.data_points, device=device), torch.tensor(batch_size, device=device)
+        loss_sum, data_points, samples = self._lockstep.agree(batch_loss.loss_sum, *counts)
+        self.epoch_samples += round(samples)
+        mean = loss_sum / data_points if data_points > 0 else 0.0
+        if data_points > 0:
+            self._record(MetricRecord.scalar(("train", "batch_loss"), mean, run.batch_count))
+        return lambda: mean
 
     def _train_batch(self, run: _RunState, batch: list, batch_kw: dict) -> tuple[LossTracker, torch.Tensor | None]:
         """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch."""
@@ -569,6 +631,7 @@ class FabricTrainer(ModelTrainer):
             current_model_is_best=current_epoch_has_best_model_so_far,
             validation_scores=validation_scores,
         )
+        self._agree_on_stopping()
         if run.save_best_model and current_epoch_has_best_model_so_far:
             log.info("saving best model")
             self._save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)

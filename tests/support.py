@@ -84,7 +84,7 @@ def tiny_sequence_tagger(
 
 
 def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0) -> Path:
-    """A randomly initialised 2-layer BERT and its word-piece tokenizer, saved in ``directory``."""
+    """A randomly initialised 2-layer BERT without dropout and its word-piece tokenizer, saved in ``directory``."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     directory = Path(directory)
@@ -101,6 +101,8 @@ def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0) -> Path
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=64,
+        hidden_dropout_prob=0.0,  # deterministic: N ranks can be compared with one process
+        attention_probs_dropout_prob=0.0,
     )
     BertModel(config).save_pretrained(directory)
     return directory

@@ -41,7 +41,6 @@ BAD_ARGUMENTS = [
     ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of auto, cpu, cuda"),
     ({"accelerator": "cuda", "devices": 2}, r"asks for more cuda devices than this machine has \(0\)"),
     ({"multi_gpu": True}, r"multi_gpu=True is flair's own multi-GPU mode.*pass devices=N"),
-    ({"devices": 2, "reduce_transformer_vocab": True}, r"reduce_transformer_vocab=True is not supported with more"),
 ]
 
 

@@ -23,7 +23,7 @@ from .support import (
     tiny_text_classifier,
 )
 
-FABRIC_ONLY_SETUP_KEYS = {"accelerator", "devices", "num_nodes", "strategy", "precision"}
+FABRIC_ONLY_SETUP_KEYS = {"accelerator", "devices", "num_nodes", "strategy", "precision", "progress_bar"}
 
 
 def _train_both(build, method: str, tmp_path: Path, **kwargs: Any):

@@ -6,15 +6,23 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from flair.trainers.plugins import MetricHistoryPlugin, TrainerPlugin
+from flair.trainers.plugins import (
+    ClearmlLoggerPlugin,
+    MetricHistoryPlugin,
+    TensorboardLogger,
+    TrainerPlugin,
+)
+from lightning.fabric.loggers import CSVLogger
 
-from flair_fabric import FabricTrainer
+from flair_fabric import FabricTrainer, LightningLoggerPlugin
+from tests.plugin_support import FakeClearmlTask, HookCounter
 from tests.support import (
     small_trec,
     small_wnut,
@@ -63,6 +71,31 @@ def build(model: str, out: Path):
     raise ValueError(model)
 
 
+def logger_plugins(run_dir: Path) -> tuple[list[TrainerPlugin], dict]:
+    """flair's logger plugins, the Lightning bridge and a hook counter, each built on every rank (as a user's script
+    does); the stand-in for ClearML records what reached it. (flair 0.15's WandbLogger cannot be attached to any
+    trainer: it hooks an event that does not exist, 'after_training_setup'.)"""
+    sys.modules.setdefault("clearml", types.ModuleType("clearml"))  # flair's ClearML plugin imports it first
+    task, counter = FakeClearmlTask(), HookCounter()
+    (run_dir / "tensorboard").mkdir(parents=True, exist_ok=True)  # flair's logger makes only the last folder
+    plugins = [
+        TensorboardLogger(log_dir=str(run_dir / "tensorboard")),
+        ClearmlLoggerPlugin(task),
+        LightningLoggerPlugin(CSVLogger(str(run_dir / "csv"), name="", version="")),
+        counter,
+    ]
+    return plugins, {"clearml": task.logger, "counter": counter, "plugins": plugins}
+
+
+def logger_observations(seen: dict) -> dict:
+    return {
+        "clearml_scalars": seen["clearml"].scalars,
+        "every_rank_calls": seen["counter"].every_rank_calls,
+        "rank_zero_calls": seen["counter"].rank_zero_calls,
+        "attached": {type(plugin).__name__: plugin.pluggable is not None for plugin in seen["plugins"]},
+    }
+
+
 CONFIG = json.loads(Path(sys.argv[1]).read_text())
 OUT = Path(CONFIG["out"])
 if CONFIG.get("per_node_out"):  # machines without a shared disk: each node writes under its own folder
@@ -76,6 +109,10 @@ for run in CONFIG["runs"]:
     traces = Traces()
     kwargs = dict(run["kwargs"])
     kwargs["plugins"] = [MetricHistoryPlugin(), traces]
+    seen: dict = {}
+    if run.get("loggers"):
+        extra, seen = logger_plugins(OUT / run["name"])
+        kwargs["plugins"] += extra
     result = getattr(trainer, run.get("method", "train"))(OUT / run["name"], **kwargs)
     rank = trainer.global_rank
     results_dir = OUT / "results" / run["name"] if CONFIG.get("per_node_out") else OUT / run["name"]
@@ -92,6 +129,7 @@ for run in CONFIG["runs"]:
         "device": str(trainer.fabric.device),
         "pid": os.getpid(),
         "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,
+        **(logger_observations(seen) if seen else {}),
     }
     (results_dir / f"summary-rank{rank}.json").write_text(json.dumps(summary))
 

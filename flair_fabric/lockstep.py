@@ -1,0 +1,64 @@
+"""Stops that every rank takes together.
+
+A flair plugin stops training by raising ``TrainingInterrupt`` from a hook. In one process that ends the loop at
+once. With several processes a rank that stops alone leaves the others waiting in the next collective forever, so
+here a hook's ``TrainingInterrupt`` is held back on its rank and the ranks agree at fixed points: the end of every
+training step (after ``after_training_batch``) and after each epoch-level event. If any rank stopped, every rank
+raises ``TrainingInterrupt`` there, with the message of the first rank that stopped.
+
+The end-of-step agreement is one small ``all_reduce`` that also carries the step's loss sum and data point count,
+so the per-step ``train/batch_loss`` record is the global mean at no extra collective.
+"""
+
+from __future__ import annotations
+
+import torch
+from flair.trainers.plugins import TrainingInterrupt
+from lightning.fabric import Fabric
+
+from flair_fabric.metrics import accumulator_dtype
+
+# the events whose hooks may stop training inside the epoch loop; their stops wait for the next agreement
+DEFERRED_EVENTS = frozenset(
+    {
+        "before_training_epoch",
+        "before_training_batch",
+        "before_training_optimizer_step",
+        "after_training_batch",
+        "after_training_epoch",
+        "after_evaluation",
+        "metric_recorded",
+    }
+)
+
+
+class Lockstep:
+    """Holds a rank's pending stop and makes all ranks agree on it."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.pending: TrainingInterrupt | None = None
+
+    def hold(self, stop: TrainingInterrupt) -> None:
+        """Keep this rank's stop (the first one) until the ranks next agree."""
+        if self.pending is None:
+            self.pending = stop
+
+    def agree(self, *values: torch.Tensor) -> list[float]:
+        """All ranks: sum ``values`` over the ranks and learn whether any rank stopped; if one did, every rank
+        raises ``TrainingInterrupt`` here. Returns the summed values."""
+        fabric = self.fabric
+        dtype = accumulator_dtype(fabric.device)
+        stopped_here = torch.zeros(fabric.world_size, dtype=dtype, device=fabric.device)
+        stopped_here[fabric.global_rank] = float(self.pending is not None)
+        packed = torch.cat([stopped_here, *(value.detach().to(fabric.device, dtype).reshape(1) for value in values)])
+        summed = fabric.all_reduce(packed, reduce_op="sum")
+        assert isinstance(summed, torch.Tensor)
+        numbers = summed.tolist()
+        stopped = [rank for rank in range(fabric.world_size) if numbers[rank] > 0]
+        if stopped:
+            first = stopped[0]
+            reason = fabric.broadcast(str(self.pending) if fabric.global_rank == first else None, src=first)
+            self.pending = None
+            raise TrainingInterrupt(f"{reason} (stopped by rank {first}; every rank stops here)")
+        return numbers[fabric.world_size :]

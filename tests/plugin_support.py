@@ -1,0 +1,113 @@
+"""Plugins and stand-ins used by the rank-aware plugin tests (imported by the tests and by the test scripts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from flair.trainers.plugins import TrainerPlugin, TrainingInterrupt
+
+from flair_fabric import rank_zero_only
+
+
+class StepRecorder(TrainerPlugin):
+    """On every rank: learning rate after each step, the train/batch_loss records, the epochs that ended; written
+    to ``<out>/record-rank<r>.json`` after training."""
+
+    def __init__(self, out: Path, save_weights: bool = False) -> None:
+        super().__init__()
+        self.out = Path(out)
+        self.save_weights = save_weights
+        self.learning_rates: list[float] = []
+        self.batch_losses: list[float] = []
+        self.epochs: list[int] = []
+        self.batch_counts: list[int] = []
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        self.learning_rates.append(self.trainer.optimizer.param_groups[0]["lr"])
+        self.batch_counts.append(batch_count)
+
+    @TrainerPlugin.hook
+    def metric_recorded(self, record: Any) -> None:
+        if str(record.name) == "train/batch_loss":
+            self.batch_losses.append(float(record.value))
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, epoch: int, **kw: Any) -> None:
+        self.epochs.append(epoch)
+
+    @TrainerPlugin.hook
+    def after_training(self, **kw: Any) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        record = {
+            "learning_rates": self.learning_rates,
+            "batch_losses": self.batch_losses,
+            "epochs": self.epochs,
+            "batch_counts": self.batch_counts,
+        }
+        rank = self.trainer.global_rank
+        (self.out / f"record-rank{rank}.json").write_text(json.dumps(record))
+        if self.save_weights:
+            torch.save(self.model.state_dict(), self.out / f"weights-rank{rank}.pt")
+
+
+class StopOnOneRank(TrainerPlugin):
+    """Raises ``TrainingInterrupt`` on one rank only: after step ``at_step`` or at the end of epoch ``at_epoch``."""
+
+    def __init__(self, rank: int, at_step: int | None = None, at_epoch: int | None = None) -> None:
+        super().__init__()
+        self.rank, self.at_step, self.at_epoch = rank, at_step, at_epoch
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        if self.trainer.global_rank == self.rank and batch_count == self.at_step:
+            raise TrainingInterrupt(f"rank {self.rank} wants to stop after step {batch_count}")
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, epoch: int, **kw: Any) -> None:
+        if self.trainer.global_rank == self.rank and epoch == self.at_epoch:
+            raise TrainingInterrupt(f"rank {self.rank} wants to stop after epoch {epoch}")
+
+
+class HookCounter(TrainerPlugin):
+    """One hook on every rank, one on global rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.every_rank_calls = 0
+        self.rank_zero_calls = 0
+
+    @TrainerPlugin.hook("after_training_epoch")
+    def count_everywhere(self, **kw: Any) -> None:
+        self.every_rank_calls += 1
+
+    @TrainerPlugin.hook("after_training_epoch")
+    @rank_zero_only
+    def count_on_rank_zero(self, **kw: Any) -> None:
+        self.rank_zero_calls += 1
+
+
+class FakeClearmlLogger:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def report_scalar(self, title: str, series: str, value: float, iteration: int) -> None:
+        self.scalars.append((series, float(value), iteration))
+
+    def report_text(self, *args: Any, **kw: Any) -> None:
+        pass
+
+
+class FakeClearmlTask:
+    """Stands in for a ClearML task given to flair's ClearmlLoggerPlugin."""
+
+    task_id = "fake-task"
+
+    def __init__(self) -> None:
+        self.logger = FakeClearmlLogger()
+
+    def get_logger(self) -> FakeClearmlLogger:
+        return self.logger

@@ -1,0 +1,334 @@
+"""Rank-aware plugins on 2 CPU ranks: loggers on global rank 0 only, functional plugins in lockstep, flair's
+distributed plugin bugs fixed."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+import torch
+from flair.data import Sentence
+from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings
+from flair.models import TextClassifier
+from flair.nn import DeepNCMDecoder
+from flair.trainers.plugins import DeepNCMPlugin, TrainerPlugin
+from lightning.fabric.loggers import CSVLogger
+
+from flair_fabric import FabricTrainer, GlobalZeroPlugin, LightningLoggerPlugin, rank_zero_only
+from flair_fabric.datasets import TREC_LABEL_TYPE
+from flair_fabric.progress import show_progress_bar
+from flair_fabric.strategies import parameters_without_gradient
+
+from .plugin_support import HookCounter, StepRecorder, StopOnOneRank
+from .support import (
+    UNION,
+    make_tiny_bert,
+    run_script,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    tiny_transformer_classifier,
+    write_config,
+)
+
+EPOCHS = 3
+
+
+def _records(out: Path) -> tuple[dict, dict]:
+    rank0, rank1 = (json.loads((out / f"record-rank{rank}.json").read_text()) for rank in (0, 1))
+    return rank0, rank1
+
+
+def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"weights-rank{rank}.pt")
+
+
+# --- every logger in a real 2-rank script -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict, str]:
+    out = tmp_path_factory.mktemp("loggers")
+    kwargs = {
+        "max_epochs": EPOCHS,
+        "mini_batch_size": 4,
+        "eval_batch_size": 4,
+        "devices": 2,
+        "save_model_each_k_epochs": 1,
+        "progress_bar": True,
+    }
+    runs = [{"name": "loggers", "method": "train", "kwargs": kwargs, "loggers": True}]
+    output = run_script("ddp_runs.py", str(write_config(out / "config.json", {"out": str(out), "runs": runs})))
+    run_dir = out / "loggers"
+    summary0, summary1 = (json.loads((run_dir / f"summary-rank{rank}.json").read_text()) for rank in (0, 1))
+    return run_dir, summary0, summary1, output
+
+
+def _scalar_events(folder: Path, tag: str) -> dict[str, int]:
+    """Per TensorBoard event file: how many scalar events with ``tag`` it holds."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    counts = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        events = EventFileLoader(str(path)).Load()
+        counts[path.name] = sum(1 for event in events for value in event.summary.value if value.tag == tag)
+    return counts
+
+
+@pytest.mark.multiprocess
+def test_each_logger_writes_once_per_event_on_global_zero_only(logged_run: tuple[Path, dict, dict, str]) -> None:
+    run_dir, rank0, rank1, _ = logged_run
+    log_text = (run_dir / "training.log").read_text()
+    assert [log_text.count(f"EPOCH {epoch} done") for epoch in range(1, EPOCHS + 1)] == [1] * EPOCHS
+    loss_rows = (run_dir / "loss.tsv").read_text().splitlines()
+    assert len(loss_rows) == 1 + EPOCHS and loss_rows[0].startswith("EPOCH")
+
+    # flair's TensorboardLogger: rank 1 built one too (its constructor opens a file), but only rank 0 wrote to it
+    per_file = _scalar_events(run_dir / "tensorboard", "train/loss")
+    assert sorted(per_file.values()) == [0, EPOCHS]
+
+    assert rank1["clearml_scalars"] == []
+    assert sum(series == "train.loss" for series, _, _ in rank0["clearml_scalars"]) == EPOCHS
+    assert len(rank0["result"]["train_loss_history"]) == EPOCHS  # MetricHistoryPlugin, from rank 0
+
+    loggers = ("TensorboardLogger", "ClearmlLoggerPlugin", "LightningLoggerPlugin")
+    assert all(rank0["attached"][name] for name in loggers)
+    assert not any(rank1["attached"][name] for name in loggers)
+
+
+@pytest.mark.multiprocess
+def test_rank_zero_only_hook_runs_on_rank_zero_and_normal_hook_everywhere(
+    logged_run: tuple[Path, dict, dict, str],
+) -> None:
+    _, rank0, rank1, _ = logged_run
+    assert (rank0["every_rank_calls"], rank0["rank_zero_calls"]) == (EPOCHS, EPOCHS)
+    assert (rank1["every_rank_calls"], rank1["rank_zero_calls"]) == (EPOCHS, 0)
+    assert rank0["attached"]["HookCounter"] and rank1["attached"]["HookCounter"]
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_every_epoch_finishes_and_writes_one_loadable_file_per_epoch(
+    logged_run: tuple[Path, dict, dict, str],
+) -> None:
+    run_dir, _, _, _ = logged_run
+    assert sorted(path.name for path in run_dir.glob("model_epoch_*.pt")) == [
+        f"model_epoch_{epoch}.pt" for epoch in range(1, EPOCHS + 1)
+    ]
+    assert not list(run_dir.glob(".*.tmp"))
+    model = TextClassifier.load(run_dir / f"model_epoch_{EPOCHS}.pt")
+    sentence = Sentence("What is the capital of France ?")
+    model.predict(sentence)
+    assert sentence.get_label(TREC_LABEL_TYPE).value in model.label_dictionary.get_items()
+
+
+_LOSS_FILE_COLUMNS = {"LOSS": "loss", "PRECISION": "micro avg/precision", "RECALL": "micro avg/recall"}
+_LOSS_FILE_COLUMNS |= {"F1": "micro avg/f1-score", "ACCURACY": "accuracy"}
+
+
+def _metric_of_loss_file_column(header: str) -> str | None:
+    if header in ("EPOCH", "TIMESTAMP"):
+        return None
+    if header in ("LEARNING_RATE", "BAD_EPOCHS"):
+        return header.lower()
+    prefix, _, column = header.rpartition("_")
+    return f"{prefix.lower()}/{_LOSS_FILE_COLUMNS[column]}"
+
+
+@pytest.mark.multiprocess
+def test_lightning_logger_bridge_writes_what_the_loss_file_writes(logged_run: tuple[Path, dict, dict, str]) -> None:
+    run_dir, _, _, _ = logged_run
+    with (run_dir / "csv" / "metrics.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    header, *lines = [line.split("\t") for line in (run_dir / "loss.tsv").read_text().splitlines()]
+    compared = 0
+    for line in lines:
+        epoch = int(line[0])
+        for name, text in zip(header, line, strict=True):
+            metric = _metric_of_loss_file_column(name)
+            if metric is None:
+                continue
+            values = [float(row[metric]) for row in rows if row.get(metric) and int(row["step"]) == epoch]
+            assert len(values) == 1, (metric, epoch)
+            expected = str(int(values[0])) if name == "BAD_EPOCHS" else f"{values[0]:.4f}"
+            assert expected == text, (metric, epoch)
+            compared += 1
+    assert compared >= EPOCHS * 4
+    assert any(row.get("train/batch_loss") for row in rows), "per-step records reach the logger too"
+
+
+@pytest.mark.multiprocess
+def test_progress_bar_is_drawn_by_global_zero_when_asked(logged_run: tuple[Path, dict, dict, str]) -> None:
+    *_, output = logged_run
+    assert all(f"epoch {epoch}" in output for epoch in range(1, EPOCHS + 1))
+    assert "samples/s" in output and "loss=" in output
+
+
+def test_progress_bar_choice() -> None:
+    assert show_progress_bar(True, is_global_zero=True)
+    assert not show_progress_bar(True, is_global_zero=False)
+    assert not show_progress_bar(False, is_global_zero=True)
+    with pytest.raises(ValueError, match="progress_bar='yes'"):
+        show_progress_bar("yes", is_global_zero=True)  # type: ignore[arg-type]
+
+
+# --- functional plugins in lockstep (forked ranks) ----------------------------------------------------------------
+
+
+def _train(
+    out: Path,
+    model: flair.nn.Model,
+    corpus: Any,
+    devices: int,
+    plugins: list[TrainerPlugin],
+    method: str = "train_custom",
+    **kwargs: Any,
+) -> dict:
+    strategy = "ddp_fork" if devices > 1 else "auto"
+    trainer = FabricTrainer(model, corpus)
+    return getattr(trainer, method)(
+        out, plugins=plugins, accelerator="cpu", devices=devices, strategy=strategy, **kwargs
+    )
+
+
+def _two_ranks_and_one_process(
+    tmp_path: Path, build: Any, corpus: Any, extra_plugins: Any = list, **settings: Any
+) -> tuple[Path, Path]:
+    """The same training on 2 ranks with batch 4 (into ``two/``) and in one process with batch 8 (into ``one/``),
+    each with a StepRecorder that saves every rank's weights."""
+    for name, devices, batch_size in (("two", 2, 4), ("one", 1, 8)):
+        plugins = [*extra_plugins(), StepRecorder(tmp_path / name, save_weights=True)]
+        _train(tmp_path / name, build(), corpus, devices, plugins, mini_batch_size=batch_size, **settings)
+    return tmp_path / "two", tmp_path / "one"
+
+
+@pytest.mark.multiprocess
+def test_linear_schedule_in_lockstep_and_global_batch_loss_equal_one_process(tmp_path: Path) -> None:
+    corpus = small_trec()
+    schedule = {"max_epochs": 2, "learning_rate": 0.05, "mini_batch_size": 4, "shuffle": True, "method": "fine_tune"}
+    _train(
+        tmp_path / "schedule",
+        tiny_text_classifier(corpus),
+        corpus,
+        2,
+        [StepRecorder(tmp_path / "schedule")],
+        **schedule,
+    )
+    rank0, rank1 = _records(tmp_path / "schedule")
+    # fine_tune's LinearSchedulerPlugin: the same learning rate on both ranks at every step, over the exact steps
+    assert rank0["learning_rates"] == rank1["learning_rates"]
+    assert len(rank0["learning_rates"]) == 12 and len(set(rank0["learning_rates"])) > 2
+
+    # train/batch_loss is the global mean of the step: the same on both ranks, equal to one process on the union
+    two, one = _two_ranks_and_one_process(tmp_path, lambda: tiny_text_classifier(corpus), corpus, **UNION)
+    rank0, rank1 = _records(two)
+    single = json.loads((one / "record-rank0.json").read_text())
+    assert rank0["batch_losses"] == rank1["batch_losses"]
+    assert rank0["batch_losses"] == pytest.approx(single["batch_losses"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", [{"at_step": 5}, {"at_epoch": 2}])
+def test_a_stop_on_one_rank_stops_both_ranks_at_the_same_point(where: dict[str, int], tmp_path: Path) -> None:
+    corpus = small_trec()
+    recorder = StepRecorder(tmp_path)
+    _train(
+        tmp_path,
+        tiny_text_classifier(corpus),
+        corpus,
+        2,
+        [recorder, StopOnOneRank(rank=1, **where)],
+        mini_batch_size=4,
+        max_epochs=4,
+    )
+    rank0, rank1 = _records(tmp_path)
+    assert rank0["batch_counts"] == rank1["batch_counts"]
+    assert rank0["epochs"] == rank1["epochs"]
+    if "at_step" in where:
+        assert rank0["batch_counts"][-1] == 5
+    else:
+        assert rank0["epochs"] == [1, 2] and rank0["batch_counts"][-1] == 12  # 24 questions per rank, batch 4
+    assert (tmp_path / "final-model.pt").exists()
+    log_text = (tmp_path / "training.log").read_text()
+    assert "rank 1 wants to stop" in log_text and "every rank stops here" in log_text
+
+
+@pytest.mark.multiprocess
+def test_reduce_transformer_vocab_keeps_the_ranks_equal(tmp_path: Path) -> None:
+    corpus = small_trec(train_size=32)
+    bert = make_tiny_bert(tmp_path / "bert", corpus)
+    settings = {"max_epochs": 2, "learning_rate": 1e-3, "shuffle": False, "reduce_transformer_vocab": True}
+    full_vocabulary = tiny_transformer_classifier(corpus, bert).embeddings.model.get_input_embeddings().weight.shape
+    two, one = _two_ranks_and_one_process(
+        tmp_path, lambda: tiny_transformer_classifier(corpus, bert), corpus, **settings
+    )
+    rank0, rank1 = _weights(two, 0), _weights(two, 1)
+    assert state_dict_difference(rank0, rank1) == 0.0, "the ranks' weights must not diverge"
+    assert state_dict_difference(rank0, _weights(one, 0)) <= 1e-5, "as one process on the union"
+    saved = TextClassifier.load(tmp_path / "two" / "best-model.pt")
+    assert saved.embeddings.model.get_input_embeddings().weight.shape == full_vocabulary
+    sentence = Sentence("What is the capital of France ?")
+    saved.predict(sentence)
+    assert sentence.get_label(TREC_LABEL_TYPE).value in saved.label_dictionary.get_items()
+
+
+def _deep_ncm_classifier(corpus: Any) -> TextClassifier:
+    flair.set_seed(7)
+    words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
+    document = DocumentPoolEmbeddings([words], fine_tune_mode="nonlinear")
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    decoder = DeepNCMDecoder(labels, embeddings_size=document.embedding_length, mean_update_method="online")
+    return TextClassifier(document, label_type=TREC_LABEL_TYPE, label_dictionary=labels, decoder=decoder)
+
+
+@pytest.mark.multiprocess
+def test_deep_ncm_prototypes_are_updated_from_all_ranks(tmp_path: Path) -> None:
+    corpus = small_trec()
+    build = lambda: _deep_ncm_classifier(corpus)  # noqa: E731
+    two, one = _two_ranks_and_one_process(tmp_path, build, corpus, lambda: [DeepNCMPlugin()], **UNION)
+    rank0, rank1 = _weights(two, 0), _weights(two, 1)
+    prototypes = "decoder.class_prototypes"
+    assert torch.equal(rank0[prototypes], rank1[prototypes])
+    assert torch.allclose(rank0[prototypes], _weights(one, 0)[prototypes], atol=1e-5)
+
+
+# --- the plugin API in one process --------------------------------------------------------------------------------
+
+
+class _LateLogger(GlobalZeroPlugin):
+    pass
+
+
+def test_plugin_api_in_one_process(tmp_path: Path) -> None:
+    corpus = small_trec()
+    counter = HookCounter()
+    assert not _LateLogger().attach_to_all_processes
+    _train(tmp_path, tiny_text_classifier(corpus), corpus, 1, [counter, _LateLogger()], max_epochs=2)
+    assert (counter.every_rank_calls, counter.rank_zero_calls) == (2, 2)
+
+
+def test_rank_zero_only_keeps_the_hook_registration() -> None:
+    class Plugin(TrainerPlugin):
+        @rank_zero_only
+        @TrainerPlugin.hook
+        def after_training_epoch(self, **kw: Any) -> None:
+            pass
+
+    assert Plugin.after_training_epoch._plugin_hook_events == ("after_training_epoch",)  # type: ignore[attr-defined]
+
+
+def test_lightning_logger_plugin_refuses_what_is_not_a_logger() -> None:
+    with pytest.raises(TypeError, match=r"lightning\.fabric\.loggers\.Logger"):
+        LightningLoggerPlugin(["logs/"])  # type: ignore[list-item]
+    assert str(LightningLoggerPlugin(CSVLogger("unused"))) == "LightningLoggerPlugin(CSVLogger)"
+
+
+def test_the_unused_parameter_probe_leaves_no_trace_in_stateful_modules() -> None:
+    corpus = small_trec()
+    model = _deep_ncm_classifier(corpus)
+    parameters_without_gradient(model, [corpus.train[index] for index in range(4)])
+    # the DeepNCM decoder accumulates prototype updates in every training forward pass; the probe's are undone
+    assert not model.decoder.prototype_updates.any() and not model.decoder.prototype_update_counts.any()
