@@ -2,12 +2,12 @@
 
 A flair plugin stops training by raising ``TrainingInterrupt`` from a hook. In one process that ends the loop at
 once. With several processes a rank that stops alone leaves the others waiting in the next collective forever, so
-here a hook's ``TrainingInterrupt`` is held back on its rank and the ranks agree at fixed points: the end of every
-training step (after ``after_training_batch``) and after each epoch-level event. If any rank stopped, every rank
-raises ``TrainingInterrupt`` there, with the message of the first rank that stopped.
-
-The end-of-step agreement is one small ``all_reduce`` that also carries the step's loss sum and data point count,
-so the per-step ``train/batch_loss`` record is the global mean at no extra collective.
+here a hook's ``TrainingInterrupt`` is held back on its rank and the ranks agree at fixed points: inside the epoch,
+at flair's log points (about every tenth of an epoch) and at its end, riding on the all-reduce of the train loss
+that happens there anyway; and after each epoch-level event (``before_training_epoch``, ``after_training_epoch``,
+``after_evaluation``). If any rank stopped, every rank raises ``TrainingInterrupt`` there, with the message of the
+first rank that stopped. No collective is added to the training step (on this 2-core machine one gloo all-reduce
+costs about 1 ms, several percent of a small model's step).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 flair's losses are sums over data points. Each rank keeps the sum of its losses as a device tensor and the number
 of data points as an int; one all-reduce at a log point or at the end of an epoch turns them into the
-sample-weighted global mean, the same number on every rank. Nothing here synchronises inside the training step
-(the per-step batch loss travels with :class:`~flair_fabric.lockstep.Lockstep`'s agreement).
+sample-weighted global mean, the same number on every rank. Nothing here synchronises inside the training step.
 """
 
 from __future__ import annotations
@@ -26,6 +25,12 @@ class GlobalLoss:
 
     mean: float
     data_points: int
+
+    @classmethod
+    def of(cls, loss_sum: float, data_points: float) -> GlobalLoss:
+        """From the all-reduced loss sum and data point count."""
+        total = round(data_points)
+        return cls(mean=loss_sum / total if total > 0 else 0.0, data_points=total)
 
 
 class LossTracker:
@@ -50,5 +55,4 @@ class LossTracker:
         count = torch.tensor(self.data_points, dtype=self.loss_sum.dtype, device=self.device)
         reduced = cast(torch.Tensor, fabric.all_reduce(torch.stack([self.loss_sum, count]), reduce_op="sum"))
         loss_sum, data_points = reduced.tolist()
-        total = round(data_points)
-        return GlobalLoss(mean=loss_sum / total if total > 0 else 0.0, data_points=total)
+        return GlobalLoss.of(loss_sum, data_points)

@@ -1,14 +1,10 @@
-"""A progress bar per training epoch, on global rank 0: steps, global samples per second, the latest loss."""
+"""A progress bar per training epoch, on global rank 0: steps, global samples per second, the global loss."""
 
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable
 
 from tqdm.auto import tqdm
-
-REFRESH_SECONDS = 0.5  # the loss is read (a device synchronisation) at most this often
 
 
 def show_progress_bar(progress_bar: bool | None, is_global_zero: bool) -> bool:
@@ -25,25 +21,19 @@ def show_progress_bar(progress_bar: bool | None, is_global_zero: bool) -> bool:
 
 
 class EpochProgressBar:
-    """One epoch's bar; :meth:`step` after every training step, :meth:`close` at the end."""
+    """One epoch's bar: :meth:`step` after every training step, :meth:`report` at flair's log points (where the loss
+    is all-reduced anyway, so the bar adds no collective), :meth:`close` at the end."""
 
     def __init__(self, enabled: bool, epoch: int, steps: int) -> None:
-        self.enabled = enabled
         self.bar = tqdm(total=steps, desc=f"epoch {epoch}", unit="step", disable=not enabled, dynamic_ncols=True)
-        self.started = time.perf_counter()
-        self.last_refresh = 0.0
 
-    def step(self, samples_so_far: int, loss: Callable[[], float]) -> None:
-        """Advance one step; ``samples_so_far`` counts the epoch's data points on all ranks, ``loss`` reads the
-        step's loss (called only when the bar refreshes)."""
-        if not self.enabled:
-            return
+    def step(self) -> None:
+        """One training step done."""
         self.bar.update(1)
-        now = time.perf_counter()
-        if now - self.last_refresh >= REFRESH_SECONDS:
-            self.last_refresh = now
-            rate = samples_so_far / max(now - self.started, 1e-9)
-            self.bar.set_postfix({"loss": f"{loss():.4f}", "samples/s": f"{rate:.1f}"}, refresh=False)
+
+    def report(self, global_loss: float, global_samples_per_second: float) -> None:
+        """Show the epoch's global mean loss so far and the global throughput."""
+        self.bar.set_postfix({"loss": f"{global_loss:.4f}", "samples/s": f"{global_samples_per_second:.1f}"})
 
     def close(self) -> None:
         """Remove the bar."""

@@ -33,7 +33,7 @@ from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
 from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
-from flair_fabric.metrics import LossTracker
+from flair_fabric.metrics import GlobalLoss, LossTracker
 from flair_fabric.plugins import (
     attach_builtin_plugins,
     for_world_size,
@@ -123,7 +123,6 @@ class FabricTrainer(ModelTrainer):
         self.fabric: Fabric | None = None
         self.steps_per_epoch: int = 0
         self._lockstep: Lockstep | None = None
-        self.epoch_samples: int = 0
 
     # --- the run's topology, for plugins ------------------------------------------------------------------------
 
@@ -466,7 +465,6 @@ class FabricTrainer(ModelTrainer):
         """Train one epoch; returns the global train loss and the last learning-rate log text."""
         fabric, a = run.fabric, run.args
         log_line(log)
-        self.epoch_samples = 0
         self.dispatch("before_training_epoch", epoch=epoch)
         self._agree_on_stopping()
         self.model.model_card["training_parameters"]["epoch"] = epoch  # type: ignore[index]
@@ -501,14 +499,13 @@ class FabricTrainer(ModelTrainer):
                 }
                 batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw)
                 if batch_loss.data_points > 0:
-                    if self._lockstep is None:  # one process: flair's order; several: recorded globally in _end_step
-                        self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
+                    self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
                     if gradient_norm is not None:
                         self._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, run.batch_count))
                     epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
 
                 if (batch_no + 1) % log_modulo == 0:
-                    progress = epoch_loss.global_loss(fabric)
+                    progress = self._global_loss(fabric, epoch_loss)
                     elapsed = time.time() - epoch_start_time
                     lr_info, momentum_info = self._get_current_lr_and_momentum(run.batch_count)
                     log.info(
@@ -519,33 +516,24 @@ class FabricTrainer(ModelTrainer):
                         f" - samples/sec: {progress.data_points / elapsed:.2f}"
                         f"{lr_info}{momentum_info}"
                     )
+                    bar.report(progress.mean, progress.data_points / elapsed)
                 self.dispatch("after_training_batch", **batch_kw)
-                bar.step(self.epoch_samples, self._end_step(run, batch_loss, len(batch)))
+                bar.step()
         finally:
             bar.close()
 
-        train_loss = epoch_loss.global_loss(fabric).mean
+        train_loss = self._global_loss(fabric, epoch_loss).mean
         self._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
         return train_loss, lr_info
 
-    def _end_step(self, run: _RunState, batch_loss: LossTracker, batch_size: int) -> Callable[[], float]:
-        """Count the step's data points (all ranks) and return a reader of the step's loss.
-
-        With several processes one all-reduce ends the step on every rank: it stops all ranks if a plugin on any
-        rank stopped, turns the step's loss into the global mean for the ``train/batch_loss`` record and counts the
-        step's data points over all ranks.
-        """
+    def _global_loss(self, fabric: Fabric, loss: LossTracker) -> GlobalLoss:
+        """The loss all-reduced over the ranks; with several processes the same collective is where the ranks
+        agree on stops raised by plugins during the steps since the last one (no extra collective per step)."""
         if self._lockstep is None:
-            self.epoch_samples += batch_size
-            return lambda: float(batch_loss.mean())
-        device = run.fabric.device
-        counts = torch.tensor(batch_loss.data_points, device=device), torch.tensor(batch_size, device=device)
-        loss_sum, data_points, samples = self._lockstep.agree(batch_loss.loss_sum, *counts)
-        self.epoch_samples += round(samples)
-        mean = loss_sum / data_points if data_points > 0 else 0.0
-        if data_points > 0:
-            self._record(MetricRecord.scalar(("train", "batch_loss"), mean, run.batch_count))
-        return lambda: mean
+            return loss.global_loss(fabric)
+        count = torch.tensor(loss.data_points, device=fabric.device)
+        loss_sum, data_points = self._lockstep.agree(loss.loss_sum, count)
+        return GlobalLoss.of(loss_sum, data_points)
 
     def _train_batch(self, run: _RunState, batch: list, batch_kw: dict) -> tuple[LossTracker, torch.Tensor | None]:
         """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch."""
