@@ -64,7 +64,8 @@ _FABRIC_DOC = """
             accelerator: "auto", "cpu", "cuda", "gpu" or "mps".
             devices: devices per node: an int, -1 for all, "auto", or a list of device indices.
             num_nodes: number of machines.
-            strategy: "auto" or "ddp", or a FlairDDPStrategy(...) object.
+            strategy: "auto", "ddp" (script relaunch), "ddp_spawn", "ddp_fork", "ddp_notebook", or a
+                FlairDDPStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
             progress_bar: a bar per epoch on global rank 0: True, False, or None (only when stderr is a terminal).
 """
