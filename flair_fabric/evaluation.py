@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
-_PREDICTED = "predicted"  # the label name flair's evaluate predicts into
+PREDICTED = "predicted"  # the label name flair's evaluate predicts into
 
 
 def can_shard(model: flair.nn.Model) -> bool:
@@ -96,16 +96,16 @@ def _predict_batches(
         for number, indices in batches:
             batch: list[DataPoint] = [data[index] for index in indices]
             for data_point in batch:
-                data_point.remove_labels(_PREDICTED)
+                data_point.remove_labels(PREDICTED)
             returned = model.predict(
                 batch,
                 embedding_storage_mode=embedding_storage_mode,
                 mini_batch_size=mini_batch_size,
-                label_name=_PREDICTED,
+                label_name=PREDICTED,
                 return_loss=return_loss,
             )
             try:
-                labels = [record_labels(data_point, _PREDICTED) for data_point in batch]
+                labels = [record_labels(data_point, PREDICTED) for data_point in batch]
             except UnsupportedPrediction as error:
                 return _Unsupported(str(error))
             store_embeddings(batch, embedding_storage_mode)

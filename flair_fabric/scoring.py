@@ -3,20 +3,25 @@ processes started (or found) by Fabric exactly as for training."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import flair
+from flair.data import _len_dataset
 from flair.datasets import FlairDatapointDataset
 from flair.training_utils import Result
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
-from flair_fabric.evaluation import evaluate_across_ranks
+from flair_fabric.evaluation import PREDICTED, evaluate_across_ranks
 from flair_fabric.launch import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.plugins import log_on_global_zero_only
-from flair_fabric.workers import run_on_every_rank
+from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.workers import run_on_every_rank, starts_workers
+
+log = logging.getLogger("flair")
 
 
 @dataclass
@@ -27,14 +32,22 @@ class _EvaluationJob:
     data: Dataset
     out_path: Path | None
     evaluate_kwargs: dict[str, Any]
+    return_predictions: bool  # the ranks are workers: the caller's data points get rank 0's predicted labels
 
 
-def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> Result:
+def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> tuple[Result, list[list[RecordedLabel]] | None]:
     flair.device = fabric.device
     job.model.to(fabric.device)
     job.model.eval()
     with log_on_global_zero_only(fabric):
-        return evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
+        result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
+    predictions = None
+    if job.return_predictions and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
+        try:
+            predictions = [record_labels(job.data[i], PREDICTED) for i in range(_len_dataset(job.data))]
+        except UnsupportedPrediction as error:
+            log.warning(f"the caller's data points do not get the predicted labels: {error}")
+    return result, predictions
 
 
 def evaluate(
@@ -62,10 +75,13 @@ def evaluate(
         accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=None, use_amp=False
     )
     data = data_points if isinstance(data_points, Dataset) else FlairDatapointDataset(data_points)
-    job = _EvaluationJob(
-        model,
-        data,
-        Path(out_path) if out_path is not None else None,
-        {"gold_label_type": gold_label_type, **evaluate_kwargs},
-    )
-    return run_on_every_rank(build_fabric(config), _evaluate_on_rank, job)
+    fabric = build_fabric(config)
+    path = Path(out_path) if out_path is not None else None
+    kwargs = {"gold_label_type": gold_label_type, **evaluate_kwargs}
+    job = _EvaluationJob(model, data, path, kwargs, return_predictions=starts_workers(fabric))
+    result, predictions = run_on_every_rank(fabric, _evaluate_on_rank, job)
+    for index, labels in enumerate(predictions or []):  # workers predicted on copies: label the caller's data too
+        data_point = data[index]
+        data_point.remove_labels(PREDICTED)
+        restore_labels(data_point, PREDICTED, labels)
+    return result

@@ -158,6 +158,8 @@ def test_lightning_logger_bridge_writes_what_the_loss_file_writes(logged_run: tu
             compared += 1
     assert compared >= EPOCHS * 4
     assert any(row.get("train/batch_loss") for row in rows), "per-step records reach the logger too"
+    # Lightning's TensorBoardLogger got the same records, from one writer
+    assert sorted(_scalar_events(run_dir / "lightning_tensorboard", "train/loss").values()) == [EPOCHS]
 
 
 @pytest.mark.multiprocess

@@ -251,9 +251,13 @@ def test_public_evaluate_under_spawn_moves_ner_sentences_and_equals_flair(tmp_pa
         devices=2,
         strategy="ddp_spawn",
     )
+    # the spawned workers predicted on copies; the caller's sentences now carry rank 0's gathered predictions
+    from_workers = [[repr(label) for label in sentence.get_labels("predicted")] for sentence in sentences]
+    assert any(from_workers), "the tiny tagger predicts some spans"
     single = model.evaluate(sentences, WNUT16_LABEL_TYPE, out_path=tmp_path / "single.tsv", mini_batch_size=3)
     _assert_same_result(sharded, single)
     assert (tmp_path / "sharded.tsv").read_bytes() == (tmp_path / "single.tsv").read_bytes()
+    assert from_workers == [[repr(label) for label in sentence.get_labels("predicted")] for sentence in sentences]
 
 
 def test_public_evaluate_on_one_device_is_flairs_evaluate(tmp_path: Path) -> None:

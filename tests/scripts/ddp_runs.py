@@ -19,7 +19,7 @@ from flair.trainers.plugins import (
     TensorboardLogger,
     TrainerPlugin,
 )
-from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
 from tests.plugin_support import FakeClearmlTask, HookCounter
@@ -81,7 +81,12 @@ def logger_plugins(run_dir: Path) -> tuple[list[TrainerPlugin], dict]:
     plugins = [
         TensorboardLogger(log_dir=str(run_dir / "tensorboard")),
         ClearmlLoggerPlugin(task),
-        LightningLoggerPlugin(CSVLogger(str(run_dir / "csv"), name="", version="")),
+        LightningLoggerPlugin(
+            [
+                CSVLogger(str(run_dir / "csv"), name="", version=""),
+                TensorBoardLogger(str(run_dir / "lightning_tensorboard"), name="", version=""),
+            ]
+        ),
         counter,
     ]
     return plugins, {"clearml": task.logger, "counter": counter, "plugins": plugins}
