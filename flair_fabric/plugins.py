@@ -117,10 +117,11 @@ class SummedPrototypesDeepNCMPlugin(DeepNCMPlugin):
         """Sum the prototype updates over the ranks, then update the prototypes."""
         fabric: Fabric = self.trainer.fabric
         for decoder in self.decoders:
-            updates = fabric.all_reduce(decoder.prototype_updates, reduce_op="sum")
-            counts = fabric.all_reduce(decoder.prototype_update_counts, reduce_op="sum")
-            decoder.prototype_updates = cast(torch.Tensor, updates)
-            decoder.prototype_update_counts = cast(torch.Tensor, counts)
+            updates, counts = decoder.prototype_updates, decoder.prototype_update_counts
+            packed = torch.cat([updates.flatten(), counts.to(updates.dtype)])  # one collective for both
+            summed = cast(torch.Tensor, fabric.all_reduce(packed, reduce_op="sum"))
+            decoder.prototype_updates = summed[: updates.numel()].view_as(updates).clone()
+            decoder.prototype_update_counts = summed[updates.numel() :].to(counts.dtype)
             decoder.update_prototypes()
 
 
