@@ -19,7 +19,7 @@ import inspect
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import flair
 import torch
@@ -36,7 +36,7 @@ _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
 PREDICTED = "predicted"  # the label name flair's evaluate predicts into
 
 
-def can_shard(model: flair.nn.Model) -> bool:
+def can_shard(model: flair.nn.Model) -> TypeGuard[flair.nn.Classifier]:
     """Whether ``model`` evaluates with flair's base ``Classifier.evaluate``, which this module can split."""
     return isinstance(model, flair.nn.Classifier) and type(model).evaluate is flair.nn.Classifier.evaluate
 
@@ -176,16 +176,18 @@ def _evaluate_sharded(
     if gathered is None:
         return None
     unsupported = [reason for reason in gathered if isinstance(reason, _Unsupported)]
-    if unsupported:
-        rank_zero_warn(f"evaluating on global rank 0 only: {unsupported[0]}.")
-        return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
     predictions = [batch for rank_batches in gathered if isinstance(rank_batches, list) for batch in rank_batches]
-    differing = _ranks_with_other_data(data, predictions, mini_batch_size, fabric.world_size)
-    if differing:
-        rank_zero_warn(
-            f"rank(s) {differing} evaluated other data than global rank 0 (a corpus or a random sample that differs"
-            " across processes): evaluating on global rank 0 only."
+    differing = [] if unsupported else _ranks_with_other_data(data, predictions, mini_batch_size, fabric.world_size)
+    if unsupported or differing:
+        reason = (
+            unsupported[0]
+            if unsupported
+            else (
+                f"rank(s) {differing} evaluated other data than global rank 0 (a corpus or a random sample that differs"
+                " across processes)"
+            )
         )
+        rank_zero_warn(f"evaluating on global rank 0 only: {reason}.")
         return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
     replay = _ReplayedPredictions(model, predictions)
     return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
@@ -209,7 +211,7 @@ def evaluate_across_ranks(
     result: Result | None
     if fabric.world_size == 1:
         result = model.evaluate(data, out_path=out_path, **evaluate_kwargs)
-    elif isinstance(model, flair.nn.Classifier) and can_shard(model):
+    elif can_shard(model):
         result = _evaluate_sharded(fabric, model, data, out_path if fabric.is_global_zero else None, evaluate_kwargs)
     else:
         rank_zero_warn(

@@ -158,7 +158,9 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
     return precision
 
 
-def resolve_strategy(strategy: StrategyArgument, world_size: int) -> StrategyArgument:
+def resolve_strategy(
+    strategy: StrategyArgument, world_size: int, launched: ExternalLaunch | None = None
+) -> StrategyArgument:
     """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``.
 
     ``"auto"`` picks what Lightning picks: no wrapper for one process, otherwise DDP, with forked workers in a
@@ -174,9 +176,9 @@ def resolve_strategy(strategy: StrategyArgument, world_size: int) -> StrategyArg
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
     if strategy == "auto":
-        if world_size == 1 and external_launch() is None:
+        if world_size == 1 and launched is None:
             return "auto"
-        if external_launch() is None and is_interactive():
+        if launched is None and is_interactive():
             return FlairDDPStrategy(start_method="fork")
         return FlairDDPStrategy()
     return FlairDDPStrategy(start_method=_START_METHOD[strategy])
@@ -243,7 +245,7 @@ def make_launch_config(
     launched = external_launch()
     check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
-    resolved_strategy = resolve_strategy(strategy, count * nodes)
+    resolved_strategy = resolve_strategy(strategy, count * nodes, launched)
     check_start_method(resolved_strategy, launched)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision)
 

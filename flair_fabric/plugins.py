@@ -13,9 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
-import flair
 import torch
-from flair.nn.model import ReduceTransformerVocabMixin
 from flair.optim import LinearSchedulerWithWarmup
 from flair.trainers.plugins import (
     AnnealingPlugin,
@@ -29,7 +27,6 @@ from flair.trainers.plugins import (
     TrainerPlugin,
     WeightExtractorPlugin,
 )
-from flair.trainers.plugins.functional.reduce_transformer_vocab import get_transformer_embeddings
 from lightning.fabric import Fabric
 
 from flair_fabric.checkpoint import load_from_global_zero
@@ -130,9 +127,8 @@ class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
 
     flair reduces the vocabulary in ``after_setup`` on rank 0 only, after the model was wrapped: rank 0's embedding
     matrix shrinks while the other ranks keep theirs, and the ranks' weights silently diverge. Here the trainer
-    reduces it on every rank, from the same token list, before DDP wraps the model
-    (:func:`reduce_vocabulary_before_wrapping`); this plugin only writes the model files with the full vocabulary
-    back at the end, once.
+    has this plugin run flair's reduction on every rank, from the same token list, before DDP wraps the model
+    (:meth:`reduce_before_wrapping`), and writes the model files with the full vocabulary back at the end, once.
     """
 
     @property
@@ -140,41 +136,24 @@ class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
         return True
 
     def register_transformer_smaller_training_vocab(self, **kw: Any) -> None:
-        """Not a hook here: the trainer has reduced the vocabulary already."""
+        """Not a hook here (flair's runs in ``after_setup``, after wrapping): see :meth:`reduce_before_wrapping`."""
+
+    def reduce_before_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
+        """flair's own vocabulary reduction, called by the trainer on every rank before the model is wrapped."""
+        self.trainer.optimizer = optimizer  # flair's code swaps the embedding in the trainer's optimizer
+        ReduceTransformerVocabPlugin.register_transformer_smaller_training_vocab(self)
 
     @TrainerPlugin.hook("after_training")
     def save_model_at_the_end(self, **kw: Any) -> None:
         """Rewrite best-model.pt (or final-model.pt) with the restored full vocabulary, once, on global rank 0."""
+        if self.disabled:
+            return
         fabric: Fabric = self.trainer.fabric
         for name in ("best-model.pt", "final-model.pt"):
             path = Path(self.base_path) / name
             if fabric.broadcast(path.exists() if fabric.is_global_zero else None, src=0):
                 self.trainer._save_model(path, self.save_optimizer_state)
                 return
-
-
-def reduce_vocabulary_before_wrapping(trainer: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """What flair's ``ReduceTransformerVocabPlugin.after_setup`` does, on every rank and before the model is wrapped:
-    keep only the transformer tokens the corpus uses, until ``trainer.context_stack`` closes. Returns whether the
-    model could be reduced (flair's conditions and warnings)."""
-    from transformer_smaller_training_vocab import reduce_train_vocab
-
-    model: flair.nn.Model = trainer.model
-    if not isinstance(model, ReduceTransformerVocabMixin):
-        log.warning("Cannot reduce the transformer vocab: model is not supported.")
-        return False
-    embeddings = get_transformer_embeddings(model)
-    if not embeddings:
-        log.warning("Cannot reduce the transformer vocab: no transformer embeddings found.")
-        return False
-    max_context_length = max(embedding.context_length for embedding in embeddings)
-    respect_document_boundaries = all(embedding.respect_document_boundaries for embedding in embeddings)
-    tokens = list(filter(None, model.get_used_tokens(trainer.corpus, max_context_length, respect_document_boundaries)))
-    for embedding in embeddings:
-        trainer.context_stack.enter_context(
-            reduce_train_vocab(model=embedding.model, tokenizer=embedding.tokenizer, texts=tokens, optimizer=optimizer)
-        )
-    return True
 
 
 def for_world_size(plugins: Sequence[TrainerPlugin], world_size: int) -> list[TrainerPlugin]:

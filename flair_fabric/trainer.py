@@ -35,10 +35,10 @@ from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument,
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import GlobalLoss, LossTracker
 from flair_fabric.plugins import (
+    EveryRankReduceTransformerVocabPlugin,
     attach_builtin_plugins,
     for_world_size,
     log_on_global_zero_only,
-    reduce_vocabulary_before_wrapping,
     release_unattached,
 )
 from flair_fabric.progress import EpochProgressBar, show_progress_bar
@@ -358,8 +358,9 @@ class FabricTrainer(ModelTrainer):
         fabric.to_device(self.model)
         a.kwargs["lr"] = a.learning_rate
         optimizer = self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs)
-        if a.reduce_transformer_vocab and fabric.world_size > 1:
-            reduce_vocabulary_before_wrapping(self, optimizer)  # on every rank, before DDP sees the parameters
+        for plugin in self.plugins:
+            if isinstance(plugin, EveryRankReduceTransformerVocabPlugin):
+                plugin.reduce_before_wrapping(optimizer)  # on every rank, before DDP sees the parameters
         probe = [train_data[i] for i in range(min(a.mini_batch_size, _len_dataset(train_data)))]
         resolve_unused_parameters(fabric, self.model, probe)
         module = fabric.setup_module(self.model)

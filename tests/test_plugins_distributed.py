@@ -90,6 +90,7 @@ def test_each_logger_writes_once_per_event_on_global_zero_only(logged_run: tuple
     # flair's TensorboardLogger: rank 1 built one too (its constructor opens a file), but only rank 0 wrote to it
     per_file = _scalar_events(run_dir / "tensorboard", "train/loss")
     assert sorted(per_file.values()) == [0, EPOCHS]
+    assert rank0["tensorboard_closed"] == rank1["tensorboard_closed"] == [True], "closed where it never ran, too"
 
     assert rank1["clearml_scalars"] == []
     assert sum(series == "train.loss" for series, _, _ in rank0["clearml_scalars"]) == EPOCHS

@@ -98,6 +98,10 @@ def logger_observations(seen: dict) -> dict:
         "every_rank_calls": seen["counter"].every_rank_calls,
         "rank_zero_calls": seen["counter"].rank_zero_calls,
         "attached": {type(plugin).__name__: plugin.pluggable is not None for plugin in seen["plugins"]},
+        # torch's SummaryWriter.close() drops its file writer
+        "tensorboard_closed": [
+            p.writer.file_writer is None for p in seen["plugins"] if isinstance(p, TensorboardLogger)
+        ],
     }
 
 
