@@ -1,4 +1,9 @@
-"""flair model files written once and atomically; weights handed from rank 0 to every rank."""
+"""flair model files written once and atomically; weights handed from rank 0 to every rank.
+
+A sharded model (``strategy="fsdp"``) is consolidated first: its whole weights are gathered to global rank 0, which
+writes an ordinary flair model file (``TextClassifier.load(path)`` reads it in one process); loading scatters rank
+0's weights back into the shards.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,45 @@ import tempfile
 from pathlib import Path
 
 import flair
+import torch
 from lightning.fabric import Fabric
 
+from flair_fabric.sharding import full_state_dict, is_sharded, load_full_state_dict
 
-def save_model_atomically(model: flair.nn.Model, path: str | Path, checkpoint: bool = False) -> None:
+
+def save_model_atomically(
+    model: flair.nn.Model,
+    path: str | Path,
+    checkpoint: bool = False,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
     """``model.save(path)`` through a temporary file in the same folder and a rename.
 
     A reader never sees a half-written file, and a crash during the save leaves the previous file intact.
+    ``weights``, if given, are written as the model's state dict (the consolidated weights of a sharded model).
     """
     path = Path(path)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(descriptor)
     try:
-        model.save(temporary, checkpoint=checkpoint)
+        if weights is None:
+            model.save(temporary, checkpoint=checkpoint)
+        else:
+            _save_with_weights(model, temporary, weights)
         os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a model file gets the usual permissions
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _save_with_weights(model: flair.nn.Model, path: str, weights: dict[str, torch.Tensor]) -> None:
+    """flair's ``Model.save`` with ``weights`` in place of ``model.state_dict()``."""
+    model_state = model._get_state_dict()
+    model_state["state_dict"] = weights
+    if model.model_card is not None:
+        model_state["model_card"] = model.model_card
+    torch.save(model_state, path, pickle_protocol=4)
 
 
 def _umask() -> int:
@@ -33,10 +59,25 @@ def _umask() -> int:
     return current
 
 
+def plain_state_dict(model: flair.nn.Model) -> dict[str, torch.Tensor]:
+    """The model's whole weights on the CPU; for a sharded model on global rank 0 only (``{}`` elsewhere).
+
+    For a sharded model this is a collective: every rank must call it.
+    """
+    if is_sharded(model):
+        return full_state_dict(model)
+    return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+
+
 def save_on_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path, checkpoint: bool) -> None:
-    """Write the flair model file once, from global rank 0 (no collective: safe to call from any rank alone)."""
+    """Write the flair model file once, from global rank 0.
+
+    For an unsharded model no collective is involved; a sharded model is consolidated first, which every rank must
+    take part in (the trainer's saves happen on every rank at the same point).
+    """
+    weights = full_state_dict(model) if is_sharded(model) else None
     if fabric.is_global_zero:
-        save_model_atomically(model, path, checkpoint=checkpoint)
+        save_model_atomically(model, path, checkpoint=checkpoint, weights=weights)
 
 
 def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path) -> bool:
@@ -52,6 +93,9 @@ def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Pat
     state = None
     if fabric.is_global_zero:
         state = {name: tensor.cpu() for name, tensor in model.load(path).state_dict().items()}
+    if is_sharded(model):
+        load_full_state_dict(model, state or {})
+        return True
     state = fabric.broadcast(state, src=0)
     assert state is not None
     model.load_state_dict(state)

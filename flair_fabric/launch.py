@@ -17,9 +17,10 @@ from typing import Any
 
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
-from lightning.fabric.strategies import Strategy
+from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 
 from flair_fabric.environment import ExternalLaunch, cuda_is_initialized, external_launch, is_interactive
+from flair_fabric.sharding import FlairFSDPStrategy
 from flair_fabric.strategies import FlairDDPStrategy, StartMethod
 
 log = logging.getLogger("flair")
@@ -28,7 +29,10 @@ DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "deepspeed", "deepspeed_stage_2")
+LaunchingStrategy = FlairDDPStrategy | FlairFSDPStrategy
+LAUNCHING_STRATEGIES = (FlairDDPStrategy, FlairFSDPStrategy)
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _START_METHOD: dict[str, StartMethod] = {
     "ddp": "popen",
     "ddp_spawn": "spawn",
@@ -159,35 +163,85 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
 
 
 def resolve_strategy(
-    strategy: StrategyArgument, world_size: int, launched: ExternalLaunch | None = None
+    strategy: StrategyArgument, world_size: int, accelerator: str, launched: ExternalLaunch | None = None
 ) -> StrategyArgument:
     """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``.
 
     ``"auto"`` picks what Lightning picks: no wrapper for one process, otherwise DDP, with forked workers in a
-    notebook or REPL (which cannot be relaunched) and the script relaunch elsewhere.
+    notebook or REPL (which cannot be relaunched) and the script relaunch elsewhere. ``"fsdp"`` starts processes the
+    same way.
     """
+    if isinstance(strategy, DeepSpeedStrategy):
+        return check_deepspeed(strategy, accelerator)
     if isinstance(strategy, Strategy):
-        if not isinstance(strategy, FlairDDPStrategy):
+        if not isinstance(strategy, LAUNCHING_STRATEGIES):
             raise ValueError(
                 f"strategy={type(strategy).__name__}(...) is not supported; pass one of {', '.join(STRATEGIES)}"
-                " or a FlairDDPStrategy(...) object for DDP options."
+                " or a FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object."
             )
         return strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
+    interactive = launched is None and is_interactive()
     if strategy == "auto":
         if world_size == 1 and launched is None:
             return "auto"
-        if launched is None and is_interactive():
-            return FlairDDPStrategy(start_method="fork")
-        return FlairDDPStrategy()
+        return FlairDDPStrategy(start_method="fork" if interactive else "popen")
+    if strategy == "fsdp":
+        return FlairFSDPStrategy(start_method="fork" if interactive else "popen")
+    if strategy.startswith("deepspeed"):
+        return check_deepspeed(DeepSpeedStrategy(stage=2), accelerator)
     return FlairDDPStrategy(start_method=_START_METHOD[strategy])
+
+
+def deepspeed_is_installed() -> bool:
+    """Whether the optional ``deepspeed`` package can be imported."""
+    from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
+
+    return bool(_DEEPSPEED_AVAILABLE)
+
+
+def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedStrategy:
+    """DeepSpeed needs its package and a CUDA GPU; FabricTrainer supports ZeRO stages 1 and 2."""
+    if not deepspeed_is_installed():
+        raise ValueError(
+            "strategy='deepspeed' needs the deepspeed package, which is not installed: pip install"
+            " 'flair-fabric[deepspeed]' (on a machine with CUDA), or use strategy='fsdp'."
+        )
+    if accelerator != "cuda":
+        raise ValueError(
+            f"strategy='deepspeed' needs a CUDA GPU, and the accelerator here is {accelerator!r}: use strategy='fsdp',"
+            " which shards parameters, gradients and optimizer state on CPU as well."
+        )
+    stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage} is not supported by FabricTrainer (stage 3 partitions the parameters, so"
+            " flair cannot predict or save with them): use stage 2, or strategy='fsdp' to shard the parameters too."
+        )
+    return strategy
+
+
+def check_fsdp(strategy: StrategyArgument, accelerator: str, precision: str) -> None:
+    """The precisions and options FSDP supports here."""
+    if not isinstance(strategy, FlairFSDPStrategy):
+        return
+    if precision not in FSDP_PRECISIONS:
+        raise ValueError(
+            f"strategy='fsdp' does not support precision={precision!r}: choose one of {', '.join(FSDP_PRECISIONS)}"
+            " (for fp16 mixed precision pass FlairFSDPStrategy(mixed_precision=MixedPrecisionPolicy(...)))."
+        )
+    if strategy.cpu_offload and accelerator != "cuda":
+        raise ValueError(
+            f"FlairFSDPStrategy(cpu_offload=True) moves shards from the GPU to the CPU, but the accelerator is"
+            f" {accelerator!r}: leave cpu_offload=False."
+        )
 
 
 def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None) -> None:
     """Refuse process start-ups that cannot work here: a relaunch from a notebook, workers started by a script that
     torchrun/SLURM already started, and forking after CUDA was initialised."""
-    if not isinstance(strategy, FlairDDPStrategy):
+    if not isinstance(strategy, LAUNCHING_STRATEGIES):
         return
     if launched is not None and strategy.starts_workers_in_train:
         raise ValueError(
@@ -245,8 +299,9 @@ def make_launch_config(
     launched = external_launch()
     check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
-    resolved_strategy = resolve_strategy(strategy, count * nodes, launched)
+    resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched)
     check_start_method(resolved_strategy, launched)
+    check_fsdp(resolved_strategy, concrete_accelerator, resolved_precision)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision)
 
 

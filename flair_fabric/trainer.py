@@ -23,9 +23,10 @@ import flair
 import torch
 from flair.data import Corpus, _len_dataset
 from flair.trainers import ModelTrainer
-from flair.trainers.plugins import MetricRecord, TrainingInterrupt
-from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
+from flair.trainers.plugins import MetricRecord, ReduceTransformerVocabPlugin, TrainingInterrupt
+from flair.training_utils import Result, identify_dynamic_embeddings, log_line, store_embeddings
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule
 from torch.utils.data import Dataset, Subset
 
@@ -43,6 +44,7 @@ from flair_fabric.plugins import (
 )
 from flair_fabric.progress import EpochProgressBar, show_progress_bar
 from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
+from flair_fabric.sharding import FlairFSDPStrategy, ShardedCopy, held_bytes, whole_tensor
 from flair_fabric.strategies import resolve_unused_parameters
 from flair_fabric.workers import run_on_every_rank, starts_workers
 
@@ -64,8 +66,9 @@ _FABRIC_DOC = """
             accelerator: "auto", "cpu", "cuda", "gpu" or "mps".
             devices: devices per node: an int, -1 for all, "auto", or a list of device indices.
             num_nodes: number of machines.
-            strategy: "auto", "ddp" (script relaunch), "ddp_spawn", "ddp_fork", "ddp_notebook", or a
-                FlairDDPStrategy(...) object.
+            strategy: "auto", "ddp" (script relaunch), "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp" (sharded
+                parameters, gradients and optimizer state), "deepspeed" (ZeRO stage 2, CUDA only), or a
+                FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
             progress_bar: a bar per epoch on global rank 0: True, False, or None (only when stderr is a terminal).
 """
@@ -124,6 +127,7 @@ class FabricTrainer(ModelTrainer):
         self.fabric: Fabric | None = None
         self.steps_per_epoch: int = 0
         self._lockstep: Lockstep | None = None
+        self._sharded_copy: ShardedCopy[flair.nn.Model] | None = None
 
     # --- the run's topology, for plugins ------------------------------------------------------------------------
 
@@ -212,6 +216,21 @@ class FabricTrainer(ModelTrainer):
         size = _len_dataset(self._get_train_data(args.train_with_dev, args.train_with_test))
         if size == 0:
             raise ValueError("the train split is empty: FabricTrainer needs at least one training data point.")
+        sharded = isinstance(config.strategy, FlairFSDPStrategy | DeepSpeedStrategy)
+        reduces_vocabulary = args.reduce_transformer_vocab or any(
+            isinstance(plugin, ReduceTransformerVocabPlugin) for plugin in args.plugins or []
+        )
+        if sharded and reduces_vocabulary:
+            raise ValueError(
+                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
+                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
+                " leave the vocabulary as it is."
+            )
+        if isinstance(config.strategy, DeepSpeedStrategy) and args.mini_batch_chunk_size is not None:
+            raise ValueError(
+                "mini_batch_chunk_size cannot be used with strategy='deepspeed' (its engine steps on every backward):"
+                " set DeepSpeed's gradient accumulation instead, or use strategy='fsdp'."
+            )
         if size < config.world_size:
             raise ValueError(
                 f"the train split has {size} data point(s) for {config.world_size} processes: every process needs"
@@ -274,6 +293,9 @@ class FabricTrainer(ModelTrainer):
             finally:
                 self._lockstep = None
             self._test_final_model(run)
+            if self._sharded_copy is not None:
+                self.model = self._sharded_copy.hand_back()
+                self._sharded_copy = None
 
         self.dispatch("after_training")
         return_values = fabric.broadcast(self.return_values, src=0)
@@ -355,6 +377,10 @@ class FabricTrainer(ModelTrainer):
 
     def _set_up_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace, train_data: Dataset) -> _FabricModule:
         """Place and wrap the model (DDP decides about unused parameters first), then build the optimizer."""
+        if isinstance(fabric.strategy, FlairFSDPStrategy):
+            return self._set_up_sharded_model_and_optimizer(fabric, a)
+        if isinstance(fabric.strategy, DeepSpeedStrategy):
+            return self._set_up_deepspeed_model_and_optimizer(fabric, a)
         fabric.to_device(self.model)
         a.kwargs["lr"] = a.learning_rate
         optimizer = self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs)
@@ -366,6 +392,29 @@ class FabricTrainer(ModelTrainer):
         module = fabric.setup_module(self.model)
         module.mark_forward_method("forward_loss")
         self.optimizer = fabric.setup_optimizers(optimizer)
+        return module
+
+    def _set_up_sharded_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace) -> _FabricModule:
+        """Shard a copy of the model (the caller's model gets the weights back at the end), then build the optimizer
+        over the shards."""
+        self._sharded_copy = ShardedCopy(self.model)
+        self.model = self._sharded_copy.working_model
+        module = fabric.setup_module(self.model)
+        module.mark_forward_method("forward_loss")
+        a.kwargs["lr"] = a.learning_rate
+        self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs))
+        log.info(f"FSDP: this rank holds {held_bytes(self.model) / 2**20:.1f} MiB of parameters")
+        return module
+
+    def _set_up_deepspeed_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace) -> _FabricModule:
+        """DeepSpeed wraps model and optimizer together and clips gradients inside its engine (ZeRO stage 1/2: the
+        parameters stay whole, so flair saves and predicts with them as usual)."""
+        assert isinstance(fabric.strategy, DeepSpeedStrategy) and fabric.strategy.config is not None
+        fabric.strategy.config["gradient_clipping"] = a.max_grad_norm or 0.0
+        a.kwargs["lr"] = a.learning_rate
+        optimizer = self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs)
+        module, self.optimizer = fabric.setup(self.model, optimizer)
+        module.mark_forward_method("forward_loss")
         return module
 
     def _train_epochs(self, run: _RunState) -> None:
@@ -562,10 +611,9 @@ class FabricTrainer(ModelTrainer):
 
         self.dispatch("before_training_optimizer_step", **batch_kw)
         gradient_norm = None
-        if a.max_grad_norm is not None:
-            gradient_norm = fabric.clip_gradients(
-                module, self.optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False
-            )
+        if a.max_grad_norm is not None and not isinstance(fabric.strategy, DeepSpeedStrategy):
+            norm = fabric.clip_gradients(module, self.optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False)
+            gradient_norm = whole_tensor(norm) if norm is not None else None
         scaler = getattr(fabric.strategy.precision, "scaler", None)
         scale_before = scaler.get_scale() if scaler is not None else 1.0
         self.optimizer.step()
@@ -581,20 +629,8 @@ class FabricTrainer(ModelTrainer):
         validation_scores: tuple = ()
 
         for split, split_data in run.evaluation_splits.items():
-            eval_result = evaluate_across_ranks(
-                run.fabric,
-                self.model,
-                split_data,
-                out_path=run.base_path / f"{split}.tsv",
-                embeddings_storage_mode=a.embeddings_storage_mode,
-                mini_batch_size=a.eval_batch_size,
-                exclude_labels=a.exclude_labels,
-                main_evaluation_metric=a.main_evaluation_metric,
-                gold_label_dictionary=a.gold_label_dictionary_for_eval,
-                embedding_storage_mode=a.embeddings_storage_mode,
-                gold_label_type=self.model.label_type,
-                gold_label_dictionary_for_eval=a.gold_label_dictionary_for_eval,
-            )
+            with self._model_for_inference() as model:
+                eval_result = self._evaluate_split(run, model, split, split_data)
             log.info(
                 f"{split.upper()} : loss {eval_result.loss}"
                 f" - {a.main_evaluation_metric[1]}"
@@ -626,6 +662,31 @@ class FabricTrainer(ModelTrainer):
             log.info("saving best model")
             self._save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
 
+    def _model_for_inference(self) -> contextlib.AbstractContextManager[flair.nn.Model]:
+        """The model to evaluate: the trained model itself, or under FSDP the caller's model with the whole current
+        weights on every rank (a collective)."""
+        if self._sharded_copy is not None:
+            return self._sharded_copy.gathered()
+        return contextlib.nullcontext(self.model)
+
+    def _evaluate_split(self, run: _RunState, model: flair.nn.Model, split: str, data: Dataset) -> Result:
+        """flair's evaluation of one monitored split during training, split across the ranks."""
+        a = run.args
+        return evaluate_across_ranks(
+            run.fabric,
+            model,
+            data,
+            out_path=run.base_path / f"{split}.tsv",
+            embeddings_storage_mode=a.embeddings_storage_mode,
+            mini_batch_size=a.eval_batch_size,
+            exclude_labels=a.exclude_labels,
+            main_evaluation_metric=a.main_evaluation_metric,
+            gold_label_dictionary=a.gold_label_dictionary_for_eval,
+            embedding_storage_mode=a.embeddings_storage_mode,
+            gold_label_type=self.model.label_type,
+            gold_label_dictionary_for_eval=a.gold_label_dictionary_for_eval,
+        )
+
     def _test_final_model(self, run: _RunState) -> None:
         """Load the best model on every rank (if there is one) and score the test split, as flair does."""
         a = run.args
@@ -637,19 +698,20 @@ class FabricTrainer(ModelTrainer):
                 log.info("Loading model from best epoch ...")
             else:
                 log.info("Testing using last state of model ...")
-            test_results = evaluate_across_ranks(
-                run.fabric,
-                self.model,
-                self.corpus.test,
-                out_path=run.base_path / "test.tsv",
-                gold_label_type=self.model.label_type,
-                mini_batch_size=a.eval_batch_size,
-                embedding_storage_mode="none",
-                main_evaluation_metric=a.main_evaluation_metric,
-                gold_label_dictionary=a.gold_label_dictionary_for_eval,
-                exclude_labels=a.exclude_labels,
-                return_loss=False,
-            )
+            with self._model_for_inference() as model:
+                test_results = evaluate_across_ranks(
+                    run.fabric,
+                    model,
+                    self.corpus.test,
+                    out_path=run.base_path / "test.tsv",
+                    gold_label_type=self.model.label_type,
+                    mini_batch_size=a.eval_batch_size,
+                    embedding_storage_mode="none",
+                    main_evaluation_metric=a.main_evaluation_metric,
+                    gold_label_dictionary=a.gold_label_dictionary_for_eval,
+                    exclude_labels=a.exclude_labels,
+                    return_loss=False,
+                )
             log.info(test_results.detailed_results)
             log_line(log)
             self.return_values["test_score"] = test_results.main_score

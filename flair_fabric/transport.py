@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import flair
 import torch
@@ -56,3 +56,15 @@ def dumps(obj: Any) -> bytes:
 def loads(data: bytes) -> Any:
     """Unpickle what :func:`dumps` wrote; flair models are rebuilt on the current ``flair.device``."""
     return pickle.loads(data)
+
+
+ModelT = TypeVar("ModelT", bound=flair.nn.Model)
+
+
+def copy_model(model: ModelT) -> ModelT:
+    """An independent copy of a flair model with the same weights (``copy.deepcopy`` fails on transformer
+    embeddings). Rebuilding draws random initial weights; the random number generators are left as they were."""
+    devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        copy = _model_from_state(type(model), _model_state(model))
+    return cast(ModelT, copy)

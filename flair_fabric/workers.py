@@ -22,7 +22,7 @@ from lightning.fabric import Fabric
 
 from flair_fabric import transport
 from flair_fabric.environment import environment_restored
-from flair_fabric.strategies import FlairDDPStrategy
+from flair_fabric.launch import LAUNCHING_STRATEGIES
 
 Job = TypeVar("Job")
 Result = TypeVar("Result")
@@ -31,14 +31,14 @@ Result = TypeVar("Result")
 def starts_workers(fabric: Fabric) -> bool:
     """Whether ``fabric.launch`` starts spawned or forked workers instead of running in the calling process."""
     strategy = fabric.strategy
-    return isinstance(strategy, FlairDDPStrategy) and strategy.starts_workers_in_train
+    return isinstance(strategy, LAUNCHING_STRATEGIES) and strategy.starts_workers_in_train
 
 
 def run_on_every_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job) -> Result:
     """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers."""
     if not starts_workers(fabric):
         return fabric.launch(lambda rank_fabric: function(rank_fabric, job))
-    assert isinstance(fabric.strategy, FlairDDPStrategy)
+    assert isinstance(fabric.strategy, LAUNCHING_STRATEGIES)
     payload = transport.dumps(job) if fabric.strategy.start_method == "spawn" else job
     with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:
         handoff = Path(handoff_dir) / "rank0-result.pickle"

@@ -22,6 +22,7 @@ from flair.trainers.plugins import (
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
+from flair_fabric.sharding import held_bytes
 from tests.plugin_support import FakeClearmlTask, HookCounter
 from tests.support import (
     small_trec,
@@ -41,6 +42,7 @@ class Traces(TrainerPlugin):
         self.learning_rates: list[float] = []
         self.weights: list[float] = []
         self.evaluations: list[dict] = []
+        self.held_bytes: list[int] = []
 
     @TrainerPlugin.hook
     def after_training_batch(self, **kw):
@@ -49,6 +51,10 @@ class Traces(TrainerPlugin):
     @TrainerPlugin.hook
     def after_evaluation(self, current_model_is_best, validation_scores, **kw):
         self.evaluations.append({"best": current_model_is_best, "scores": [float(x) for x in validation_scores]})
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, **kw):
+        self.held_bytes.append(held_bytes(self.trainer.model, self.trainer.optimizer))
 
     @TrainerPlugin.hook
     def before_training_epoch(self, **kw):
@@ -132,6 +138,7 @@ for run in CONFIG["runs"]:
         "lr_trace": traces.learning_rates,
         "weight_trace": traces.weights,
         "evaluations": traces.evaluations,
+        "held_bytes": traces.held_bytes,
         "world_size": trainer.world_size,
         "local_rank": trainer.local_rank,
         "node_rank": trainer.fabric.node_rank,

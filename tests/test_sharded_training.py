@@ -1,0 +1,141 @@
+"""strategy="fsdp" on two CPU processes (gloo): the same training as DDP, half the memory per rank, and ordinary
+flair model files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from flair.models import TextClassifier
+
+from flair_fabric import FabricTrainer, FlairFSDPStrategy
+
+from .support import (
+    make_tiny_bert,
+    run_script,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    write_config,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+CORPUS = {"train_size": 48}
+# fine_tune: AdamW, linear schedule with warm-up, gradient clipping at flair's default 5.0, the final model
+FINE_TUNED = {
+    "method": "fine_tune",
+    "kwargs": {"max_epochs": 2, "mini_batch_size": 4, "learning_rate": 5e-3, "use_final_model_for_eval": True},
+}
+# train: SGD, chunked mini-batches, a decoder learning rate (two parameter groups), annealing with restarts from
+# best-model.pt, evaluation batches that do not divide the dev split
+ANNEALED = {
+    "method": "train",
+    "kwargs": {
+        "max_epochs": 3,
+        "mini_batch_size": 4,
+        "mini_batch_chunk_size": 2,
+        "learning_rate": 0.5,
+        "decoder_learning_rate": 0.05,
+        "patience": 0,
+        "anneal_with_restarts": True,
+        "eval_batch_size": 5,
+    },
+}
+LOSS_TOLERANCE = 1e-5  # relative; FSDP reduce-scatters where DDP all-reduces: the sums differ in rounding only
+WEIGHT_TOLERANCE = 5e-4  # absolute, after all epochs (observed: 4e-5 after fine-tuning)
+
+
+@pytest.fixture(scope="module")
+def fsdp_and_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same two trainings of a tiny-BERT classifier under ddp and fsdp, 2 ranks each, from one script."""
+    out = tmp_path_factory.mktemp("fsdp")
+    bert_dir = make_tiny_bert(out / "bert", small_trec(**CORPUS))
+    runs = [
+        {
+            "name": f"{setting}-{strategy}",
+            "model": "bert",
+            "method": config["method"],
+            "kwargs": {**config["kwargs"], "devices": 2, "accelerator": "cpu", "strategy": strategy},
+        }
+        for setting, config in (("fine_tuned", FINE_TUNED), ("annealed", ANNEALED))
+        for strategy in ("ddp", "fsdp")
+    ]
+    config = {"out": str(out), "bert_dir": str(bert_dir), "corpus": CORPUS, "runs": runs}
+    run_script("ddp_runs.py", str(write_config(out / "config.json", config)))
+    return out
+
+
+def _summary(run_dir: Path, rank: int) -> dict:
+    return json.loads((run_dir / f"summary-rank{rank}.json").read_text())
+
+
+def _handed_back(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    """The weights the caller's model held after train() returned."""
+    return torch.load(run_dir / f"weights-rank{rank}.pt")["final"]
+
+
+def _assert_close(expected: list[float], actual: list[float], tolerance: float) -> None:
+    assert len(expected) == len(actual) > 0
+    for e, a in zip(expected, actual, strict=True):
+        assert math.isclose(e, a, rel_tol=tolerance), (expected, actual)
+
+
+@pytest.mark.parametrize("setting", ["fine_tuned", "annealed"])
+def test_fsdp_trains_like_ddp(fsdp_and_ddp: Path, setting: str) -> None:
+    ddp, fsdp = fsdp_and_ddp / f"{setting}-ddp", fsdp_and_ddp / f"{setting}-fsdp"
+    ddp_result, fsdp_result = _summary(ddp, 0)["result"], _summary(fsdp, 0)["result"]
+    _assert_close(ddp_result["train_loss_history"], fsdp_result["train_loss_history"], LOSS_TOLERANCE)
+    _assert_close(ddp_result["dev_loss_history"], fsdp_result["dev_loss_history"], LOSS_TOLERANCE)
+    assert ddp_result["dev_score_history"] == fsdp_result["dev_score_history"]
+    for rank in (0, 1):  # same learning rates (schedule, annealing) and the same best-model decisions
+        assert _summary(fsdp, rank)["lr_trace"] == pytest.approx(_summary(ddp, rank)["lr_trace"], rel=1e-9)
+        assert [e["best"] for e in _summary(fsdp, rank)["evaluations"]] == [
+            e["best"] for e in _summary(ddp, rank)["evaluations"]
+        ]
+    assert state_dict_difference(_handed_back(ddp, 0), _handed_back(fsdp, 0)) <= WEIGHT_TOLERANCE
+    assert state_dict_difference(_handed_back(fsdp, 0), _handed_back(fsdp, 1)) == 0.0, "every rank gets the model"
+    if setting == "annealed":
+        assert "resetting to best model" in (fsdp / "training.log").read_text(), "annealing must have restarted"
+
+
+def test_fsdp_holds_at_most_six_tenths_of_the_ddp_parameters_and_optimizer_state(fsdp_and_ddp: Path) -> None:
+    for rank in (0, 1):
+        ddp = _summary(fsdp_and_ddp / "fine_tuned-ddp", rank)["held_bytes"]
+        fsdp = _summary(fsdp_and_ddp / "fine_tuned-fsdp", rank)["held_bytes"]
+        assert ddp[0] > 0 and all(held <= 0.6 * ddp[0] for held in fsdp), (rank, fsdp, ddp)
+
+
+@pytest.mark.parametrize(("setting", "model_file"), [("fine_tuned", "final-model.pt"), ("annealed", "best-model.pt")])
+def test_fsdp_model_files_are_ordinary_flair_files(fsdp_and_ddp: Path, setting: str, model_file: str) -> None:
+    run_dir = fsdp_and_ddp / f"{setting}-fsdp"
+    loaded = TextClassifier.load(run_dir / model_file)  # one process, no sharding
+    assert type(loaded) is TextClassifier
+    assert state_dict_difference(loaded.state_dict(), _handed_back(run_dir, 0)) == 0.0
+    # the test split, predicted in one process by the loaded file, exactly as the sharded model predicted it
+    corpus = small_trec(**CORPUS)
+    eval_batch_size = ANNEALED["kwargs"]["eval_batch_size"] if setting == "annealed" else 32
+    single = run_dir / "single-process-test.tsv"
+    loaded.evaluate(corpus.test, "question_class", out_path=single, mini_batch_size=eval_batch_size)
+    assert single.read_bytes() == (run_dir / "test.tsv").read_bytes()
+
+
+def test_fsdp_with_forked_workers_gives_the_caller_the_trained_model(tmp_path: Path) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    FabricTrainer(model, corpus).train(
+        tmp_path,
+        max_epochs=2,
+        mini_batch_size=4,
+        accelerator="cpu",
+        devices=2,
+        strategy=FlairFSDPStrategy(start_method="fork"),
+    )
+    trained = model.state_dict()
+    assert state_dict_difference(initial, trained) > 1e-3
+    assert all(not tensor.is_meta for tensor in trained.values())
+    assert state_dict_difference(TextClassifier.load(tmp_path / "best-model.pt").state_dict(), trained) == 0.0
