@@ -190,6 +190,7 @@ def resolve_strategy(
     if strategy == "fsdp":
         return FlairFSDPStrategy(start_method="fork" if interactive else "popen")
     if strategy.startswith("deepspeed"):
+        require_deepspeed(accelerator)  # before Lightning's constructor, which needs the package
         return check_deepspeed(DeepSpeedStrategy(stage=2), accelerator)
     return FlairDDPStrategy(start_method=_START_METHOD[strategy])
 
@@ -201,8 +202,8 @@ def deepspeed_is_installed() -> bool:
     return bool(_DEEPSPEED_AVAILABLE)
 
 
-def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedStrategy:
-    """DeepSpeed needs its package and a CUDA GPU; FabricTrainer supports ZeRO stages 1 and 2."""
+def require_deepspeed(accelerator: str) -> None:
+    """DeepSpeed needs its package and a CUDA GPU."""
     if not deepspeed_is_installed():
         raise ValueError(
             "strategy='deepspeed' needs the deepspeed package, which is not installed: pip install"
@@ -213,6 +214,11 @@ def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedS
             f"strategy='deepspeed' needs a CUDA GPU, and the accelerator here is {accelerator!r}: use strategy='fsdp',"
             " which shards parameters, gradients and optimizer state on CPU as well."
         )
+
+
+def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedStrategy:
+    """A DeepSpeed strategy FabricTrainer can run: package, GPU, and ZeRO stage 1 or 2."""
+    require_deepspeed(accelerator)
     stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise ValueError(

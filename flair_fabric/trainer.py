@@ -403,7 +403,7 @@ class FabricTrainer(ModelTrainer):
         module.mark_forward_method("forward_loss")
         a.kwargs["lr"] = a.learning_rate
         self.optimizer = fabric.setup_optimizers(self._make_optimizer(a.optimizer, a.decoder_learning_rate, a.kwargs))
-        log.info(f"FSDP: this rank holds {held_bytes(self.model) / 2**20:.1f} MiB of parameters")
+        log.info(f"FSDP: this rank holds {held_bytes(self.model) / 2**20:.2f} MiB of parameters")
         return module
 
     def _set_up_deepspeed_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace) -> _FabricModule:

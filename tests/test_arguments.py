@@ -12,7 +12,7 @@ from flair.data import Corpus
 from flair.datasets import FlairDatapointDataset
 from flair.trainers import ModelTrainer
 
-from flair_fabric import FabricTrainer, FlairDDPStrategy
+from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric import launch as launch_module
 from flair_fabric.launch import make_launch_config, resolve_devices
 
@@ -41,6 +41,13 @@ BAD_ARGUMENTS = [
     ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of auto, cpu, cuda"),
     ({"accelerator": "cuda", "devices": 2}, r"asks for more cuda devices than this machine has \(0\)"),
     ({"multi_gpu": True}, r"multi_gpu=True is flair's own multi-GPU mode.*pass devices=N"),
+    ({"strategy": "fsdp", "precision": "64-true"}, r"strategy='fsdp' does not support precision='64-true'"),
+    ({"strategy": FlairFSDPStrategy(cpu_offload=True), "devices": 2}, r"cpu_offload=True\) moves shards from the GPU"),
+    (
+        {"strategy": "fsdp", "devices": 2, "reduce_transformer_vocab": True},
+        r"reduce_transformer_vocab=True .* cannot be combined with a sharded strategy",
+    ),
+    ({"strategy": "deepspeed_stage_3"}, r"strategy='deepspeed_stage_3' is not supported; choose one of"),
 ]
 
 
@@ -88,6 +95,35 @@ def test_ddp_strategy_options_are_checked() -> None:
         FlairDDPStrategy(find_unused_parameters="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"start_method='forkserver'\) is not valid: choose one of popen, spawn"):
         FlairDDPStrategy(start_method="forkserver")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("installed", "message"),
+    [
+        (False, r"strategy='deepspeed' needs the deepspeed package, which is not installed: pip install"),
+        (True, r"strategy='deepspeed' needs a CUDA GPU, and the accelerator here is 'cpu': use strategy='fsdp'"),
+    ],
+)
+def test_deepspeed_without_its_package_or_without_a_gpu(
+    trainer: FabricTrainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: bool, message: str
+) -> None:
+    monkeypatch.setattr(launch_module, "deepspeed_is_installed", lambda: installed)
+    for strategy in ("deepspeed", "deepspeed_stage_2"):
+        with pytest.raises(ValueError, match=message):
+            trainer.train(tmp_path, max_epochs=1, accelerator="cpu", devices=2, strategy=strategy)
+    assert trainer.fabric is None and not (tmp_path / "training.log").exists()
+
+
+def test_fsdp_strategy_options_are_checked() -> None:
+    fsdp = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="fsdp", precision=None, use_amp=True)
+    assert isinstance(fsdp.strategy, FlairFSDPStrategy) and fsdp.precision == "bf16-mixed"
+    assert fsdp.strategy.start_method == "popen" and fsdp.strategy.reshard_after_forward
+    with pytest.raises(ValueError, match=r"start_method='forkserver'\) is not valid: choose one of popen, spawn"):
+        FlairFSDPStrategy(start_method="forkserver")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"policy=3\) is not valid: pass a set of module classes or a function"):
+        FlairFSDPStrategy(policy=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"mixed_precision='bf16'\) is not valid: pass a"):
+        FlairFSDPStrategy(mixed_precision="bf16")  # type: ignore[arg-type]
 
 
 def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:

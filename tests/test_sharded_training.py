@@ -12,6 +12,7 @@ import torch
 from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
+from flair_fabric.sharding import shard_transformer_layers, transformer_layer_classes
 
 from .support import (
     make_tiny_bert,
@@ -19,6 +20,7 @@ from .support import (
     small_trec,
     state_dict_difference,
     tiny_text_classifier,
+    tiny_transformer_classifier,
     write_config,
 )
 
@@ -123,7 +125,19 @@ def test_fsdp_model_files_are_ordinary_flair_files(fsdp_and_ddp: Path, setting: 
     assert single.read_bytes() == (run_dir / "test.tsv").read_bytes()
 
 
-def test_fsdp_with_forked_workers_gives_the_caller_the_trained_model(tmp_path: Path) -> None:
+def test_the_default_policy_shards_each_transformer_layer(tmp_path: Path) -> None:
+    corpus = small_trec(**CORPUS)
+    model = tiny_transformer_classifier(corpus, make_tiny_bert(tmp_path / "bert", corpus))
+    assert transformer_layer_classes(model) == {"BertEmbeddings", "BertLayer"}
+    policy = shard_transformer_layers(model)
+    assert [name for name, module in model.named_modules() if policy(module)] == [
+        "embeddings.model.embeddings",
+        "embeddings.model.encoder.layer.0",
+        "embeddings.model.encoder.layer.1",
+    ]
+
+
+def test_fsdp_with_forked_workers_and_a_user_policy_gives_the_caller_the_trained_model(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -133,8 +147,10 @@ def test_fsdp_with_forked_workers_gives_the_caller_the_trained_model(tmp_path: P
         mini_batch_size=4,
         accelerator="cpu",
         devices=2,
-        strategy=FlairFSDPStrategy(start_method="fork"),
+        strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
     )
+    # the pooling embedding's two maps and the decoder are the three Linear layers
+    assert "FSDP: 3 shard unit(s) plus the root, over 2 process(es)" in (tmp_path / "training.log").read_text()
     trained = model.state_dict()
     assert state_dict_difference(initial, trained) > 1e-3
     assert all(not tensor.is_meta for tensor in trained.values())
