@@ -62,9 +62,16 @@ ModelT = TypeVar("ModelT", bound=flair.nn.Model)
 
 
 def copy_model(model: ModelT) -> ModelT:
-    """An independent copy of a flair model with the same weights (``copy.deepcopy`` fails on transformer
-    embeddings). Rebuilding draws random initial weights; the random number generators are left as they were."""
+    """An independent copy of a flair model with the same weights, rebuilt from its flair state in memory
+    (``copy.deepcopy`` fails on transformer embeddings). Usually needs one extra model's memory, no serialised bytes.
+    Rebuilding draws random initial weights; the random number generators are left as they were."""
+    state = model._get_state_dict()  # holds the model's own tensors: nothing is copied yet
     devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        copy = _model_from_state(type(model), _model_state(model))
+        copy = type(model).load(state)
+        originals = {id(parameter) for parameter in model.parameters()}
+        if any(id(parameter) in originals for parameter in copy.parameters()):
+            # the state held a module itself (a custom decoder): go through bytes for an independent copy
+            copy = _model_from_state(type(model), _model_state(model))
+    copy.model_card = model.model_card
     return cast(ModelT, copy)

@@ -13,6 +13,7 @@ from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.sharding import shard_transformer_layers, transformer_layer_classes
+from flair_fabric.transport import copy_model
 
 from .support import (
     make_tiny_bert,
@@ -155,3 +156,19 @@ def test_fsdp_with_forked_workers_and_a_user_policy_gives_the_caller_the_trained
     assert state_dict_difference(initial, trained) > 1e-3
     assert all(not tensor.is_meta for tensor in trained.values())
     assert state_dict_difference(TextClassifier.load(tmp_path / "best-model.pt").state_dict(), trained) == 0.0
+
+
+@pytest.mark.parametrize("custom_decoder", [False, True])
+def test_the_copy_fsdp_shards_is_independent_of_the_callers_model(custom_decoder: bool) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    if custom_decoder:  # flair keeps a custom decoder module itself in the model's state
+        decoder = torch.nn.Linear(model.embeddings.embedding_length, len(model.label_dictionary))
+        model = TextClassifier(
+            model.embeddings, label_type=model.label_type, label_dictionary=model.label_dictionary, decoder=decoder
+        )
+    copy = copy_model(model)
+    assert type(copy) is type(model)
+    assert state_dict_difference(copy.state_dict(), model.state_dict()) == 0.0
+    copied = {id(parameter) for parameter in copy.parameters()}
+    assert not copied & {id(parameter) for parameter in model.parameters()}
