@@ -69,12 +69,14 @@ PLANS: dict[str, dict[str, Any]] = {
         "ddp": [(Job("rnn", 2048, 16, 2, RNN_LR, 3), 2), (Job("minilm", 256, 16, 1, MINILM_LR, 3), 2)],
         "find_unused": (Job("rnn", 2048, 16, 2, RNN_LR, 4), 2),
         "evaluation": (Job("minilm", 500, 32, 1, 0.0, 3), 2),
+        "sharding": (Job("minilm", 256, 16, 1, MINILM_LR, 2), 2),
     },
     "quick": {
         "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],
         "ddp": [(Job("rnn", 512, 16, 1, RNN_LR, 1), 1), (Job("minilm", 128, 16, 1, MINILM_LR, 1), 1)],
         "find_unused": (Job("rnn", 512, 16, 1, RNN_LR, 2), 1),
         "evaluation": (Job("minilm", 96, 16, 1, 0.0, 1), 1),
+        "sharding": (Job("minilm", 64, 16, 1, MINILM_LR, 1), 1),
     },
 }
 
@@ -123,7 +125,7 @@ class Runner:
         progress = [
             line
             for line in log_text.splitlines()
-            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate "))
+            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate ", "[sharding "))
         ]
         for line in progress if self.verbose else progress[-1:]:
             print(f"    {line}", flush=True)
@@ -429,6 +431,79 @@ def evaluation_section(runner: Runner, job: Job, launches: int, devices: int) ->
     }
 
 
+def sharding_section(runner: Runner, job: Job, launches: int, devices: int) -> dict[str, Any]:
+    print(
+        f"  ddp vs fsdp, {devices} ranks: {job.model}, {job.train_size} questions, {launches} launch(es) per"
+        f" strategy x {job.reps} run(s)",
+        flush=True,
+    )
+    runs: list[dict[str, Any]] = []
+    for launch in range(launches):
+        order = ("ddp", "fsdp") if launch % 2 == 0 else ("fsdp", "ddp")
+        for strategy in order:
+            extra = [f"--devices={devices}", f"--strategy={strategy}", f"--base-path={runner.work_dir / 'shard-base'}"]
+            for run in runner.run("sharding", job, extra)["runs"]:
+                run["launch"] = launch
+                runs.append(run)
+
+    def median_over_runs(strategy: str, measure: Any) -> float:
+        return statistics.median(measure(run["ranks"]) for run in runs if run["strategy"] == strategy)
+
+    def epoch_seconds(ranks: list[dict]) -> float:  # the slowest rank: the others wait for it at every step
+        return max(statistics.median(rank["epoch_seconds"]) for rank in ranks)
+
+    def peak_rss(ranks: list[dict]) -> float:
+        return max(max(rank["peak_rss_mib"]) for rank in ranks)
+
+    def start_rss(ranks: list[dict]) -> float:
+        return max(min(rank["start_rss_mib"]) for rank in ranks)
+
+    def held(ranks: list[dict]) -> float:
+        return max(max(rank["held_mib"]) for rank in ranks)
+
+    measures = {"epoch_seconds": epoch_seconds, "peak_rss_mib": peak_rss, "start_rss_mib": start_rss, "held_mib": held}
+    values = {
+        strategy: {name: median_over_runs(strategy, measure) for name, measure in measures.items()}
+        for strategy in ("ddp", "fsdp")
+    }
+    ddp, fsdp = values["ddp"], values["fsdp"]
+    summary = {
+        **{f"{strategy}_{name}": r(value, 3) for strategy, named in values.items() for name, value in named.items()},
+        "ratio_epoch_seconds_fsdp_over_ddp": r(fsdp["epoch_seconds"] / ddp["epoch_seconds"]),
+        "ratio_peak_rss_fsdp_over_ddp": r(fsdp["peak_rss_mib"] / ddp["peak_rss_mib"]),
+        "ratio_peak_growth_fsdp_over_ddp": r(
+            (fsdp["peak_rss_mib"] - fsdp["start_rss_mib"]) / (ddp["peak_rss_mib"] - ddp["start_rss_mib"])
+        ),
+        "ratio_held_fsdp_over_ddp": r(fsdp["held_mib"] / ddp["held_mib"]),
+    }
+    print(
+        f"    -> epoch s: ddp {ddp['epoch_seconds']:.2f}, fsdp {fsdp['epoch_seconds']:.2f}; peak RSS MiB: ddp"
+        f" {ddp['peak_rss_mib']:.0f}, fsdp {fsdp['peak_rss_mib']:.0f}; parameters + optimizer state MiB: ddp"
+        f" {ddp['held_mib']:.1f}, fsdp {fsdp['held_mib']:.1f}",
+        flush=True,
+    )
+    return {
+        "what": f"FabricTrainer(accelerator='cpu', devices={devices}).fine_tune(...) with strategy='ddp' and with"
+        " strategy='fsdp' (FlairFSDPStrategy defaults: one shard unit per transformer layer and one for the embeddings,"
+        " the rest in the root unit). Each launch runs one strategy (the order alternates), with an untimed warm-up run"
+        " first. Per run and rank: the training part of the epoch (seconds; the slowest rank counts), the peak resident"
+        " memory of the process during it (VmHWM, reset through /proc/self/clear_refs at before_training_epoch; the"
+        " largest rank counts), the resident memory at the epoch start, and the bytes of parameters plus AdamW state"
+        " the rank holds after the epoch (local shards only). Medians over the runs.",
+        "model": MODEL_DESCRIPTIONS[job.model],
+        "sizes": {
+            "train_size": job.train_size,
+            "mini_batch_size_per_process": job.batch_size,
+            "epochs_per_run": job.epochs,
+            "learning_rate": job.learning_rate,
+            "launches_per_strategy": launches,
+            "runs_per_launch": job.reps,
+        },
+        "summary": summary,
+        "runs": runs,
+    }
+
+
 # --- report -------------------------------------------------------------------------------------------------------
 
 
@@ -560,6 +635,32 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             f"Same main score in every run: {s['same_score_everywhere']} ({s['main_scores_seen']}).",
             "",
         ]
+    if "ddp_vs_fsdp" in results:
+        section = results["ddp_vs_fsdp"]
+        s, z = section["summary"], section["sizes"]
+        runs_each = z["launches_per_strategy"] * z["runs_per_launch"]
+        lines += [
+            "## 5. Sharded training: strategy='fsdp' vs 'ddp' (MiniLM-L6 fine-tuning, 2 CPU processes,"
+            f" {z['train_size']} questions, batch {z['mini_batch_size_per_process']} per process,"
+            f" {runs_each} runs each)",
+            "",
+            "| per rank | ddp | fsdp | fsdp / ddp |",
+            "|---|---|---|---|",
+            f"| parameters + optimizer state held (MiB) | {s['ddp_held_mib']:.1f} | {s['fsdp_held_mib']:.1f} |"
+            f" **{s['ratio_held_fsdp_over_ddp']:.3f}** |",
+            f"| peak resident memory during the epoch (MiB) | {s['ddp_peak_rss_mib']:.0f} |"
+            f" {s['fsdp_peak_rss_mib']:.0f} | **{s['ratio_peak_rss_fsdp_over_ddp']:.3f}** |",
+            "| growth of resident memory during the epoch (MiB) |"
+            f" {s['ddp_peak_rss_mib'] - s['ddp_start_rss_mib']:.0f} |"
+            f" {s['fsdp_peak_rss_mib'] - s['fsdp_start_rss_mib']:.0f} | {s['ratio_peak_growth_fsdp_over_ddp']:.3f} |",
+            f"| training time per epoch (s) | {s['ddp_epoch_seconds']:.2f} | {s['fsdp_epoch_seconds']:.2f} |"
+            f" **{s['ratio_epoch_seconds_fsdp_over_ddp']:.3f}** |",
+            "",
+            "Resident memory includes Python, torch, flair and transformers (about 1 GiB per process here), which"
+            " sharding does not change. On CPU, FSDP's all-gathers and reduce-scatters go through gloo and are not"
+            " overlapped with compute, so it trades time for memory; use it when the model does not fit with ddp.",
+            "",
+        ]
     lines += [
         "Timings on a shared or busy machine are noisy: rerun `make bench` on a quiet one before quoting them.",
         "",
@@ -567,7 +668,13 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-SECTION_NAMES = ("overhead_one_device", "ddp_vs_flair_native", "find_unused_parameters", "sharded_evaluation")
+SECTION_NAMES = (
+    "overhead_one_device",
+    "ddp_vs_flair_native",
+    "find_unused_parameters",
+    "sharded_evaluation",
+    "ddp_vs_fsdp",
+)
 
 
 def write_readme(out_dir: Path) -> None:
@@ -588,7 +695,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["overhead", "ddp", "find_unused", "evaluation"],
+        choices=["overhead", "ddp", "find_unused", "evaluation", "sharding"],
         action="append",
         help="run only these sections (README.md is rebuilt from all JSON files in the folder)",
     )
@@ -611,7 +718,7 @@ def main() -> None:
     if args.readme_only:
         write_readme(out_dir)
         return
-    sections = args.only or ["overhead", "ddp", "find_unused", "evaluation"]
+    sections = args.only or ["overhead", "ddp", "find_unused", "evaluation", "sharding"]
     started = time.perf_counter()
     machine = machine_info()
     print(
@@ -632,6 +739,9 @@ def main() -> None:
         if "evaluation" in sections:
             job, launches = plan["evaluation"]
             results["sharded_evaluation"] = evaluation_section(runner, job, launches, args.devices)
+        if "sharding" in sections:
+            job, launches = plan["sharding"]
+            results["ddp_vs_fsdp"] = sharding_section(runner, job, launches, args.devices)
     wall = time.perf_counter() - started
     common = {
         "mode": mode,

@@ -5,6 +5,7 @@
     worker.py native ...     flair's own multi_gpu=True on N CPU processes (torch.multiprocessing + gloo)
     worker.py evaluate ...   flair_fabric.evaluate(devices=N) of a dev split (and, for N=1, flair's model.evaluate)
     worker.py evaluate-native ...  what flair's multi_gpu=True does: N processes each evaluate the whole dev split
+    worker.py sharding ...   FabricTrainer(devices=N, strategy=ddp|fsdp): epoch time and memory of every rank
 
 Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
 """
@@ -27,17 +28,19 @@ import flair
 import torch
 from common import EpochTimer, Workload, build_model, quiet_flair, run_flair_style, train_only_corpus
 from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
 
 import flair_fabric
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE
+from flair_fabric.sharding import held_bytes
 
 VARIANTS = ("auto", "true", "false")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["overhead", "fabric", "native", "evaluate", "evaluate-native"])
+    parser.add_argument("mode", choices=["overhead", "fabric", "native", "evaluate", "evaluate-native", "sharding"])
     parser.add_argument("--model", choices=common.MODELS, required=True)
     parser.add_argument("--train-size", type=int, required=True, help="evaluate: the size of the dev split")
     parser.add_argument("--batch-size", type=int, required=True)
@@ -46,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=1, help="timed runs per trainer/variant in this process")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--variants", default="auto", help="fabric: comma-separated find_unused_parameters values")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="sharding: the strategy")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--base-path", type=Path, help="fabric: training folder, the same on every rank (nothing is saved)"
@@ -298,6 +302,75 @@ def evaluate_native(args: argparse.Namespace) -> None:
     torch.multiprocessing.spawn(evaluate_native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
 
 
+# --- ddp vs fsdp: time and memory per rank -----------------------------------------------------------------------
+
+
+class MemoryProbe(TrainerPlugin):
+    """Per epoch on this rank: peak resident memory during the epoch's training part (Linux: the high-water mark is
+    reset at ``before_training_epoch`` through /proc/self/clear_refs), and the bytes of parameters and optimizer state
+    this rank holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start_rss_mib: list[float] = []
+        self.peak_rss_mib: list[float] = []
+        self.held_mib: list[float] = []
+
+    @staticmethod
+    def _status_mib(field: str) -> float:
+        status = Path("/proc/self/status").read_text().splitlines()
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) / 1024
+
+    @TrainerPlugin.hook
+    def before_training_epoch(self, **kwargs: Any) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+        self.start_rss_mib.append(self._status_mib("VmRSS"))
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, **kwargs: Any) -> None:
+        self.peak_rss_mib.append(self._status_mib("VmHWM"))
+        self.held_mib.append(held_bytes(self.trainer.model, self.trainer.optimizer) / 2**20)
+
+
+def sharding(args: argparse.Namespace) -> None:
+    """Runs on every rank (Fabric relaunches this script); global rank 0 gathers every rank's numbers and writes."""
+    workload = workload_of(args)
+    base_path = str(args.base_path or Path(tempfile.gettempdir()) / "flair-fabric-bench")
+    result = None
+    for rep in range(-1, args.reps):  # rep -1: the untimed warm-up on a few batches
+        run = warmup_of(workload, args.devices) if rep < 0 else workload
+        corpus = train_only_corpus(run.train_size)
+        model = build_model(workload.model, corpus)
+        timer, probe = EpochTimer(), MemoryProbe()
+        trainer = FabricTrainer(model, corpus)
+        run_flair_style(
+            trainer,
+            run,
+            timer,
+            base_path,
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=args.strategy,
+            plugins=[timer, probe],
+        )
+        measured = {"rank": trainer.global_rank, **timings(timer), "start_rss_mib": probe.start_rss_mib}
+        measured.update(peak_rss_mib=probe.peak_rss_mib, held_mib=probe.held_mib)
+        del trainer, model
+        every_rank: list[Any] = [None] * args.devices
+        torch.distributed.all_gather_object(every_rank, measured)
+        if rep < 0 or os.environ.get("LOCAL_RANK", "0") != "0":
+            continue
+        result = result or header("sharding", workload, args.devices)
+        result["runs"].append({"trainer": "fabric", "strategy": args.strategy, "rep": rep, "ranks": every_rank})
+        seconds = max(sum(rank["epoch_seconds"]) for rank in every_rank)
+        peak = max(max(rank["peak_rss_mib"]) for rank in every_rank)
+        print(
+            f"[sharding {workload.model} {args.strategy}] rep {rep}: {seconds:.3f} s, peak {peak:.0f} MiB", flush=True
+        )
+    if result is not None:
+        write(args.out, result)
+
+
 def main() -> None:
     args = parse_args()
     quiet_flair()
@@ -308,6 +381,7 @@ def main() -> None:
         "native": native,
         "evaluate": evaluate_split,
         "evaluate-native": evaluate_native,
+        "sharding": sharding,
     }
     modes[args.mode](args)
     if os.environ.get("LOCAL_RANK", "0") == "0":
