@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import json
 import os
 import socket
@@ -306,9 +308,9 @@ def evaluate_native(args: argparse.Namespace) -> None:
 
 
 class MemoryProbe(TrainerPlugin):
-    """Per epoch on this rank: peak resident memory during the epoch's training part (Linux: the high-water mark is
-    reset at ``before_training_epoch`` through /proc/self/clear_refs), and the bytes of parameters and optimizer state
-    this rank holds."""
+    """Per epoch on this rank: peak resident memory during the epoch's training part (Linux: freed heap is returned
+    with malloc_trim, then the high-water mark is reset through /proc/self/clear_refs at ``before_training_epoch``),
+    and the bytes of parameters and optimizer state this rank holds."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -323,6 +325,8 @@ class MemoryProbe(TrainerPlugin):
 
     @TrainerPlugin.hook
     def before_training_epoch(self, **kwargs: Any) -> None:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back, so resident memory is what is alive
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
         self.start_rss_mib.append(self._status_mib("VmRSS"))
 
