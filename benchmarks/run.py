@@ -663,7 +663,8 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             " while: activations, and under fsdp the gathered parameters and unsharded gradients of the units being"
             " computed, plus gloo's communication buffers. With 2 ranks and this small model the peak fell by"
             f" {100 * (1 - s['ratio_peak_rss_fsdp_over_ddp']):.0f}% only; held memory is 1/N of ddp's with N ranks,"
-            " so larger models and more ranks should gain more (not measured here). On CPU the collectives go through gloo and are not overlapped with compute, so"
+            " so larger models and more ranks should gain more (not measured here). On CPU the collectives go"
+            " through gloo and are not overlapped with compute, so"
             " fsdp trades time for memory: use it when a model does not fit with ddp.",
             "",
         ]
