@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, Subset
 
 from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
 from flair_fabric.evaluation import evaluate_across_ranks
+from flair_fabric.fingerprints import differences, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import GlobalLoss, LossTracker
@@ -43,6 +44,16 @@ from flair_fabric.plugins import (
     release_unattached,
 )
 from flair_fabric.progress import EpochProgressBar, show_progress_bar
+from flair_fabric.resume import (
+    Progress,
+    checkpoint_folder,
+    find_checkpoint,
+    keep_loss_rows_up_to,
+    load_training_state,
+    read_progress,
+    save_training_state,
+    set_rng_state,
+)
 from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
 from flair_fabric.sharding import FlairFSDPStrategy, ShardedCopy, held_bytes, whole_tensor
 from flair_fabric.strategies import resolve_unused_parameters
@@ -59,6 +70,8 @@ _FABRIC_PARAMETERS = [
     inspect.Parameter("strategy", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="StrategyArgument"),
     inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
     inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
+    inspect.Parameter("checkpoint_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
+    inspect.Parameter("resume_from", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[str, Path, None]"),
 ]
 
 _FABRIC_DOC = """
@@ -71,6 +84,9 @@ _FABRIC_DOC = """
                 FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
             progress_bar: a bar per epoch on global rank 0: True, False, or None (only when stderr is a terminal).
+            checkpoint_every_n_epochs: save the complete training state to base_path/checkpoint every n epochs
+                (0: never).
+            resume_from: continue from a checkpoint: its folder, or "auto" for base_path/checkpoint if there is one.
 """
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -110,6 +126,8 @@ class _RunState:
     save_best_model: bool
     precision: str
     show_progress_bar: bool
+    checkpoint_every_n_epochs: int = 0
+    resume_folder: Path | None = None
     batch_count: int = 0
     dynamic_embeddings: list[str] | None = None
 
@@ -172,6 +190,8 @@ class FabricTrainer(ModelTrainer):
         strategy: StrategyArgument = "auto",
         precision: str | None = None,
         progress_bar: bool | None = None,
+        checkpoint_every_n_epochs: int = 0,
+        resume_from: str | Path | None = None,
         **kwargs: Any,
     ) -> dict:
         bound = _FLAIR_TRAIN_CUSTOM.bind(self, base_path, *args, **kwargs)
@@ -191,6 +211,7 @@ class FabricTrainer(ModelTrainer):
             use_amp=flair_args.use_amp,
         )
         self._check_run(flair_args, config)
+        resume_folder = self._check_resume(flair_args, checkpoint_every_n_epochs, resume_from)
         fabric = build_fabric(config)
         self.fabric = fabric
         fabric_args = {
@@ -200,6 +221,8 @@ class FabricTrainer(ModelTrainer):
             "strategy": config.strategy if isinstance(config.strategy, str) else type(config.strategy).__name__,
             "precision": config.precision,
             "progress_bar": show_progress_bar(progress_bar, is_global_zero=True),  # checked before any process starts
+            "checkpoint_every_n_epochs": checkpoint_every_n_epochs,
+            "resume_from": str(resume_folder) if resume_folder is not None else None,
         }
         if not starts_workers(fabric):
             return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
@@ -236,6 +259,37 @@ class FabricTrainer(ModelTrainer):
                 f"the train split has {size} data point(s) for {config.world_size} processes: every process needs"
                 " at least one; use fewer devices or more training data."
             )
+
+    def _check_resume(
+        self, args: SimpleNamespace, checkpoint_every_n_epochs: int, resume_from: str | Path | None
+    ) -> Path | None:
+        """Check the checkpoint arguments and the checkpoint to resume from; set flair's ``epoch`` from it."""
+        if isinstance(checkpoint_every_n_epochs, bool) or not isinstance(checkpoint_every_n_epochs, int):
+            raise ValueError(
+                f"checkpoint_every_n_epochs={checkpoint_every_n_epochs!r} is not valid: pass a number of epochs"
+                " (0 for no checkpoints)."
+            )
+        if checkpoint_every_n_epochs < 0:
+            raise ValueError(f"checkpoint_every_n_epochs={checkpoint_every_n_epochs} is not valid: pass 0 or more.")
+        folder = find_checkpoint(resume_from, args.base_path)
+        if folder is None:
+            if resume_from == "auto":
+                log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(args.base_path)}, starting afresh")
+            return None
+        progress = read_progress(folder)
+        differing = differences(progress.model_fingerprint, model_fingerprint(self.model))
+        if differing:
+            raise ValueError(
+                f"resume_from={str(resume_from)!r}: the checkpoint in {folder} was written for another model"
+                f" (differs in: {', '.join(differing)}): resume with the model the checkpoint was trained from."
+            )
+        if args.epoch not in (0, progress.epoch):
+            raise ValueError(
+                f"epoch={args.epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
+                " both given: leave epoch out when resuming."
+            )
+        args.epoch = progress.epoch  # flair's own argument for continuing a run
+        return folder
 
     # --- one rank's run -----------------------------------------------------------------------------------------
 
@@ -287,8 +341,11 @@ class FabricTrainer(ModelTrainer):
             run, plugins, parameters = self._set_up_run(fabric, a, fabric_args)
             self.dispatch("after_setup", **parameters)
             self._log_setup(run, plugins)
+            rng = self._resume(run) if run.resume_folder is not None else None
             self._lockstep = Lockstep(fabric) if fabric.world_size > 1 else None
             try:
+                if rng is not None:
+                    set_rng_state(rng)  # last, so the first resumed epoch draws what the interrupted run drew
                 self._train_epochs(run)
             finally:
                 self._lockstep = None
@@ -372,6 +429,8 @@ class FabricTrainer(ModelTrainer):
             save_best_model=not a.train_with_dev and not a.use_final_model_for_eval,
             precision=fabric_args["precision"],
             show_progress_bar=fabric_args["progress_bar"] and fabric.is_global_zero,
+            checkpoint_every_n_epochs=fabric_args["checkpoint_every_n_epochs"],
+            resume_folder=Path(fabric_args["resume_from"]) if fabric_args["resume_from"] else None,
         )
         return run, plugins, parameters
 
@@ -393,6 +452,34 @@ class FabricTrainer(ModelTrainer):
         module.mark_forward_method("forward_loss")
         self.optimizer = fabric.setup_optimizers(optimizer)
         return module
+
+    def _save_training_state(self, run: _RunState, epoch: int) -> None:
+        """Everything a resumed run needs to continue exactly after ``epoch``, in base_path/checkpoint."""
+        progress = Progress(
+            epoch=epoch,
+            batch_count=run.batch_count,
+            best_epoch_score=run.best_epoch_score,
+            seed=run.seed,
+            world_size=run.fabric.world_size,
+            model_fingerprint=model_fingerprint(self._caller_model()),
+        )
+        folder = checkpoint_folder(run.base_path)
+        save_training_state(run.fabric, folder, run.module, self.optimizer, self.plugins, progress)
+        log.info(f"saved the training state after epoch {epoch} to {folder}")
+
+    def _resume(self, run: _RunState) -> dict[str, Any] | None:
+        """Load the checkpoint the run continues from; return this rank's random number generator state."""
+        assert run.resume_folder is not None
+        progress, rng = load_training_state(run.fabric, run.resume_folder, run.module, self.optimizer, self.plugins)
+        run.batch_count, run.best_epoch_score, run.seed = progress.batch_count, progress.best_epoch_score, progress.seed
+        if run.fabric.is_global_zero:
+            keep_loss_rows_up_to(run.base_path / "loss.tsv", progress.epoch)
+        log.info(f"resumed from {run.resume_folder} after epoch {progress.epoch} ({progress.batch_count} steps)")
+        return rng
+
+    def _caller_model(self) -> flair.nn.Model:
+        """The model as the caller built it (under FSDP the trained copy is sharded and renamed)."""
+        return self._sharded_copy.caller_model if self._sharded_copy is not None else self.model
 
     def _set_up_sharded_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace) -> _FabricModule:
         """Shard a copy of the model (the caller's model gets the weights back at the end), then build the optimizer
@@ -429,6 +516,8 @@ class FabricTrainer(ModelTrainer):
                 self.dispatch("after_training_epoch", epoch=epoch)
                 self._agree_on_stopping()
                 self._evaluate_epoch(run, epoch, train_loss)
+                if run.checkpoint_every_n_epochs and epoch % run.checkpoint_every_n_epochs == 0:
+                    self._save_training_state(run, epoch)
 
             self.dispatch("after_training_loop")
             if a.save_final_model:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,17 @@ class FakeClearmlTask:
 
     def get_logger(self) -> FakeClearmlLogger:
         return self.logger
+
+
+class KillJobAt(TrainerPlugin):
+    """SIGKILLs the whole job (every process of its process group) when epoch ``epoch`` starts on global rank 0: a
+    machine that dies, with no chance to clean up."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    @TrainerPlugin.hook
+    def before_training_epoch(self, epoch: int, **kw: Any) -> None:
+        if epoch == self.epoch and self.trainer.is_global_zero:
+            os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -23,7 +23,7 @@ from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
 from flair_fabric.sharding import held_bytes
-from tests.plugin_support import FakeClearmlTask, HookCounter
+from tests.plugin_support import FakeClearmlTask, HookCounter, KillJobAt
 from tests.support import (
     small_trec,
     small_wnut,
@@ -64,7 +64,7 @@ class Traces(TrainerPlugin):
 def build(model: str, out: Path):
     if model == "text":
         corpus = small_trec(**CONFIG.get("corpus", {}))
-        return tiny_text_classifier(corpus), corpus
+        return tiny_text_classifier(corpus, **CONFIG.get("model_options", {})), corpus
     if model == "tagger":
         corpus = small_wnut(out / f"wnut-{os.environ.get('LOCAL_RANK', '0')}")
         return tiny_sequence_tagger(corpus), corpus
@@ -125,6 +125,8 @@ for run in CONFIG["runs"]:
     kwargs = dict(run["kwargs"])
     kwargs["plugins"] = [MetricHistoryPlugin(), traces]
     seen: dict = {}
+    if run.get("kill_at_epoch"):
+        kwargs["plugins"].append(KillJobAt(run["kill_at_epoch"]))
     if run.get("loggers"):
         extra, seen = logger_plugins(OUT / run["name"])
         kwargs["plugins"] += extra

@@ -1,0 +1,83 @@
+"""Resume after a kill, checkpoints that survive a crash, bad resume input (2 CPU ranks on gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flair_fabric.resume import checkpoint_folder, read_progress
+
+from .support import REPO, SCRIPTS, state_dict_difference, write_config
+
+pytestmark = pytest.mark.multiprocess
+
+# shuffled batches and dropout: an exact resume needs the data order and every rank's random number generators
+RESUMABLE = {
+    "max_epochs": 4,
+    "mini_batch_size": 4,
+    "learning_rate": 0.5,
+    "devices": 2,
+    "accelerator": "cpu",
+    "checkpoint_every_n_epochs": 1,
+    # flair's default "cpu" keeps the dev sentences' one-hot embeddings from the first evaluation (under no_grad
+    # nothing looks trainable) and reuses them later: a resumed run, which computes them afresh, would differ
+    "embeddings_storage_mode": "none",
+}
+MODEL_OPTIONS = {"dropout": 0.3}
+
+
+def start_job(config: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The test script as a job of its own (its own process group, so it can be killed whole)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO, start_new_session=True
+    )
+
+
+def _config(out: Path, name: str, **run: Any) -> Path:
+    runs = [{"name": name, "method": "train", "kwargs": {**RESUMABLE, **run.pop("kwargs", {})}, **run}]
+    return write_config(
+        out / f"{name}-{len(list(out.glob('*.json')))}.json",
+        {"out": str(out), "model_options": MODEL_OPTIONS, "runs": runs},
+    )
+
+
+def _loss_rows(run_dir: Path) -> list[list[str]]:
+    """loss.tsv without its TIMESTAMP column."""
+    lines = [line.split("\t") for line in (run_dir / "loss.tsv").read_text().splitlines()]
+    timestamp = lines[0].index("TIMESTAMP")
+    return [line[:timestamp] + line[timestamp + 1 :] for line in lines]
+
+
+def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path) -> None:
+    completed = start_job(_config(tmp_path, "uninterrupted"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    killed = start_job(_config(tmp_path, "resumed", kill_at_epoch=3))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert read_progress(checkpoint_folder(tmp_path / "resumed")).epoch == 2
+    assert not (tmp_path / "resumed" / "final-model.pt").exists()
+
+    resumed = start_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto"}))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "resumed" / "training.log").read_text()
+
+    for rank in (0, 1):
+        expected = torch.load(tmp_path / "uninterrupted" / f"weights-rank{rank}.pt")["final"]
+        actual = torch.load(tmp_path / "resumed" / f"weights-rank{rank}.pt")["final"]
+        assert state_dict_difference(expected, actual) <= 1e-6, rank
+    expected_rows, actual_rows = _loss_rows(tmp_path / "uninterrupted"), _loss_rows(tmp_path / "resumed")
+    assert [row[0] for row in actual_rows] == ["EPOCH", "1", "2", "3", "4"]
+    assert actual_rows == expected_rows
+    summary = json.loads((tmp_path / "resumed" / "summary-rank0.json").read_text())
+    assert len(summary["lr_trace"]) == 2 * 6, "the resumed run trains epochs 3 and 4 only (6 steps each)"
