@@ -31,7 +31,9 @@ from lightning.fabric.wrappers import _FabricModule
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
+from flair_fabric.environment import external_launch
 from flair_fabric.evaluation import evaluate_across_ranks
+from flair_fabric.failures import exit_with_parent, graceful_interrupts, stop_started_processes
 from flair_fabric.fingerprints import differences, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
@@ -225,7 +227,11 @@ class FabricTrainer(ModelTrainer):
             "resume_from": str(resume_folder) if resume_folder is not None else None,
         }
         if not starts_workers(fabric):
-            return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
+            try:
+                return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
+            except BaseException:
+                stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
+                raise
         # spawned or forked workers train copies: the caller's model then receives rank 0's trained weights
         job = _WorkerJob(type(self), self.model, self.corpus, flair_args, fabric_args)
         result, weights = run_on_every_rank(fabric, _train_in_worker, job)
@@ -296,6 +302,8 @@ class FabricTrainer(ModelTrainer):
     def _train_on_rank(self, fabric: Fabric, args: SimpleNamespace, fabric_args: dict) -> dict:
         """flair's ``train_custom`` on one rank; every rank returns global rank 0's return values."""
         flair.device = fabric.device
+        if fabric.local_rank > 0 and not starts_workers(fabric) and external_launch() is None:
+            exit_with_parent()  # started by the script relaunch from rank 0: do not outlive it
         with log_on_global_zero_only(fabric):
             return self._run(fabric, args, fabric_args)
 
@@ -316,6 +324,14 @@ class FabricTrainer(ModelTrainer):
             super().dispatch(event, *args, **kwargs)
         except TrainingInterrupt as stop:
             self._lockstep.hold(stop)
+
+    def _on_signal(self, name: str) -> None:
+        """Ctrl-C or SIGTERM during training: with several processes every rank stops at the next agreement point;
+        in one process at once. Either way flair's interrupt handling saves the final model."""
+        if self._lockstep is None:
+            raise KeyboardInterrupt(f"{name} received")
+        log.warning(f"{name} received: every process stops at the next agreement point (send it again to stop now)")
+        self._lockstep.interrupt(name)
 
     def _agree_on_stopping(self) -> None:
         """Every rank raises ``TrainingInterrupt`` here if a plugin on any rank stopped since the last agreement."""
@@ -346,7 +362,8 @@ class FabricTrainer(ModelTrainer):
             try:
                 if rng is not None:
                     set_rng_state(rng)  # last, so the first resumed epoch draws what the interrupted run drew
-                self._train_epochs(run)
+                with graceful_interrupts(self._on_signal):
+                    self._train_epochs(run)
             finally:
                 self._lockstep = None
             self._test_final_model(run)

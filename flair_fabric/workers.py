@@ -22,6 +22,7 @@ from lightning.fabric import Fabric
 
 from flair_fabric import transport
 from flair_fabric.environment import environment_restored
+from flair_fabric.failures import exit_with_parent
 from flair_fabric.launch import LAUNCHING_STRATEGIES
 
 Job = TypeVar("Job")
@@ -50,6 +51,7 @@ def run_on_every_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result],
 def _run_in_worker(fabric: Fabric, function: Callable[[Fabric, Any], Any], job: Any, handoff: Path) -> None:
     """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``."""
     flair.device = fabric.device
+    exit_with_parent()  # a worker must not outlive the process that started it
     if isinstance(job, bytes):
         cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights

@@ -127,3 +127,19 @@ class KillJobAt(TrainerPlugin):
     def before_training_epoch(self, epoch: int, **kw: Any) -> None:
         if epoch == self.epoch and self.trainer.is_global_zero:
             os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+class FailAt(TrainerPlugin):
+    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``) or die (``how="kill"``)."""
+
+    def __init__(self, epoch: int, rank: int, how: str) -> None:
+        super().__init__()
+        self.epoch, self.rank, self.how = epoch, rank, how
+
+    @TrainerPlugin.hook
+    def before_training_epoch(self, epoch: int, **kw: Any) -> None:
+        if epoch != self.epoch or self.trainer.global_rank != self.rank:
+            return
+        if self.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")

@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +36,52 @@ RESUMABLE = {
 MODEL_OPTIONS = {"dropout": 0.3}
 
 
-def start_job(config: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """The test script as a job of its own (its own process group, so it can be killed whole)."""
+@dataclass
+class Job:
+    """What a finished job left: its exit code, its output, its wall time and its process group."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    pid: int
+
+    def no_process_left(self, within: float = 10.0) -> bool:
+        """Whether every process of the job's process group (the job leads its own group) has exited, or exits
+        within ``within`` seconds (a process may still be shutting down when the job's main process has ended)."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.2)
+        return False
+
+
+def start_job(config: Path) -> subprocess.Popen:
+    """The test script as a job of its own (its own session and process group, so it can be signalled whole)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)]
-    return subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO, start_new_session=True
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
     )
+
+
+def finish(process: subprocess.Popen, started: float, timeout: float = 300) -> Job:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"the job did not end within {timeout} s:\n{stderr[-3000:]}") from None
+    return Job(process.returncode, stdout, stderr, time.monotonic() - started, process.pid)
+
+
+def run_job(config: Path, timeout: float = 300) -> Job:
+    started = time.monotonic()
+    return finish(start_job(config), started, timeout)
 
 
 def _config(out: Path, name: str, **run: Any) -> Path:
@@ -60,15 +100,15 @@ def _loss_rows(run_dir: Path) -> list[list[str]]:
 
 
 def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path) -> None:
-    completed = start_job(_config(tmp_path, "uninterrupted"))
+    completed = run_job(_config(tmp_path, "uninterrupted"))
     assert completed.returncode == 0, completed.stderr[-3000:]
 
-    killed = start_job(_config(tmp_path, "resumed", kill_at_epoch=3))
+    killed = run_job(_config(tmp_path, "resumed", kill_at_epoch=3))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert read_progress(checkpoint_folder(tmp_path / "resumed")).epoch == 2
     assert not (tmp_path / "resumed" / "final-model.pt").exists()
 
-    resumed = start_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto"}))
+    resumed = run_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto"}))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in (tmp_path / "resumed" / "training.log").read_text()
 
@@ -81,3 +121,14 @@ def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path) 
     assert actual_rows == expected_rows
     summary = json.loads((tmp_path / "resumed" / "summary-rank0.json").read_text())
     assert len(summary["lr_trace"]) == 2 * 6, "the resumed run trains epochs 3 and 4 only (6 steps each)"
+
+
+@pytest.mark.parametrize(("rank", "how"), [(1, "raise"), (0, "raise"), (1, "kill"), (0, "kill")])
+def test_a_dying_rank_ends_the_whole_job(tmp_path: Path, rank: int, how: str) -> None:
+    fail = {"epoch": 2, "rank": rank, "how": how}
+    job = run_job(_config(tmp_path, "failing", fail=fail, kwargs={"max_epochs": 50}), timeout=120)
+    assert job.returncode != 0
+    assert job.seconds < 60, f"the job took {job.seconds:.0f} s to end"
+    if how == "raise":
+        assert f"RuntimeError: injected failure on rank {rank} in epoch 2" in job.stderr
+    assert job.no_process_left(), "no rank may outlive the job"

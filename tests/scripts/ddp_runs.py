@@ -23,7 +23,7 @@ from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
 from flair_fabric.sharding import held_bytes
-from tests.plugin_support import FakeClearmlTask, HookCounter, KillJobAt
+from tests.plugin_support import FailAt, FakeClearmlTask, HookCounter, KillJobAt
 from tests.support import (
     small_trec,
     small_wnut,
@@ -125,6 +125,8 @@ for run in CONFIG["runs"]:
     kwargs = dict(run["kwargs"])
     kwargs["plugins"] = [MetricHistoryPlugin(), traces]
     seen: dict = {}
+    if run.get("fail"):
+        kwargs["plugins"].append(FailAt(**run["fail"]))
     if run.get("kill_at_epoch"):
         kwargs["plugins"].append(KillJobAt(run["kill_at_epoch"]))
     if run.get("loggers"):

@@ -1,0 +1,68 @@
+"""The pieces that end a job cleanly: signals held until the ranks agree, no rank outliving its starter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from flair_fabric.failures import graceful_interrupts, stop_started_processes
+
+ORPHAN = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import time
+from flair_fabric.failures import exit_with_parent
+exit_with_parent(poll_seconds=0.1)
+print("watching", flush=True)
+time.sleep(60)
+'''], stdout=sys.stdout)
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_started_rank_exits_when_its_parent_is_killed() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    assert parent.stdout.readline().strip() == "watching"
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child), "the child must exit once its parent is gone"
+
+
+def test_rank_zero_stops_the_processes_it_started() -> None:
+    started = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    fabric = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[started])))
+    stop_started_processes(fabric)  # type: ignore[arg-type]
+    assert started.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_the_first_signal_is_held_the_second_one_interrupts(signal_number: signal.Signals) -> None:
+    received: list[str] = []
+    before = signal.getsignal(signal_number)
+    with pytest.raises(KeyboardInterrupt, match="received a second time"), graceful_interrupts(received.append):
+        os.kill(os.getpid(), signal_number)
+        time.sleep(0.1)  # the handler runs here; training would go on until the ranks agree
+        assert received == [signal_number.name]
+        os.kill(os.getpid(), signal_number)
+        time.sleep(1)
+    assert signal.getsignal(signal_number) is before, "the previous handler is back after the block"
