@@ -546,6 +546,8 @@ class FabricTrainer(ModelTrainer):
                 log.info(str(stop))
                 log_line(log)
             else:
+                if str(stop):  # a signal agreed by the ranks (a plain Ctrl-C in one process has no message)
+                    log.info(str(stop))
                 log.info("Exiting from training early.")
             self.dispatch("training_interrupt")
             if a.save_final_model:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from flair.models import TextClassifier
 
 from flair_fabric.resume import checkpoint_folder, read_progress
 
@@ -132,3 +133,35 @@ def test_a_dying_rank_ends_the_whole_job(tmp_path: Path, rank: int, how: str) ->
     if how == "raise":
         assert f"RuntimeError: injected failure on rank {rank} in epoch 2" in job.stderr
     assert job.no_process_left(), "no rank may outlive the job"
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_job_stops_every_rank_and_saves_the_final_model_once(
+    tmp_path: Path, signal_number: signal.Signals
+) -> None:
+    run_dir = tmp_path / "interrupted"
+    started = time.monotonic()
+    kwargs = {"max_epochs": 200, "checkpoint_every_n_epochs": 0, "use_final_model_for_eval": True}
+    process = start_job(_config(tmp_path, "interrupted", kwargs=kwargs))
+    log_file = run_dir / "training.log"
+    while not (log_file.exists() and "EPOCH 2 done" in log_file.read_text()):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() - started < 120, "training did not reach epoch 2"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal_number)  # what Ctrl-C in a terminal or a scheduler's SIGTERM does
+    job = finish(process, started, timeout=120)
+
+    assert job.returncode == 0, job.stderr[-3000:]
+    log = log_file.read_text()
+    assert f"{signal_number.name} received by rank" in log and "Exiting from training early." in log
+    assert log.count("Saving model ...") == 1
+    epochs = [int(line.split("EPOCH ")[1].split()[0]) for line in log.splitlines() if " done: loss" in line]
+    assert 2 <= len(epochs) < 200
+    for rank in (0, 1):  # both ranks stopped after the same number of steps, with the same weights
+        summary = json.loads((run_dir / f"summary-rank{rank}.json").read_text())
+        assert len(summary["lr_trace"]) == len(json.loads((run_dir / "summary-rank0.json").read_text())["lr_trace"])
+    final = TextClassifier.load(run_dir / "final-model.pt")  # the weights both ranks stopped with
+    for rank in (0, 1):
+        assert state_dict_difference(final.state_dict(), torch.load(run_dir / f"weights-rank{rank}.pt")["final"]) == 0
+    assert not list(run_dir.glob(".*.tmp")), "no half-written file is left"
+    assert job.no_process_left()
