@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from typing import Any
 
 import flair
 import torch
+import torch.distributed
 from flair.data import Corpus, DataPoint, Dictionary, _len_dataset
+from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
 SAMPLED_DATA_POINTS = 256
@@ -60,6 +63,32 @@ def model_fingerprint(model: flair.nn.Model) -> dict[str, str]:
     for name, dictionary in _dictionaries(model):
         fingerprint[f"dictionary {name}"] = _crc(str(item) for item in dictionary.get_items())
     return fingerprint
+
+
+def check_ranks_agree(fabric: Fabric, corpus: Corpus, model: flair.nn.Model) -> None:
+    """Refuse to train when the ranks hold different corpora or differently built models.
+
+    Every rank compares its fingerprints with global rank 0's (one ``all_gather_object``) and every rank raises the
+    same error, so no rank is left waiting.
+    """
+    if fabric.world_size == 1:
+        return
+    mine = {"corpus": corpus_fingerprint(corpus), "model": model_fingerprint(model)}
+    every: list[Any] = [None] * fabric.world_size
+    torch.distributed.all_gather_object(every, mine)
+    problems = [
+        f"rank {rank}'s {kind} differs from rank 0's in {', '.join(differing)}"
+        for rank, theirs in enumerate(every)
+        for kind in ("corpus", "model")
+        if (differing := differences(every[0][kind], theirs[kind]))
+    ]
+    if problems:
+        raise ValueError(
+            "the processes would not train the same thing: "
+            + "; ".join(problems)
+            + ". Build the corpus and the model the same way in every process: the same files and seeds, dictionaries"
+            " and vocabularies from a fixed order (not from iterating a set), downloads finished before training."
+        )
 
 
 def differences(expected: dict[str, str], actual: dict[str, str]) -> list[str]:

@@ -34,7 +34,7 @@ from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
 from flair_fabric.environment import external_launch
 from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.failures import exit_with_parent, graceful_interrupts, stop_started_processes
-from flair_fabric.fingerprints import differences, model_fingerprint
+from flair_fabric.fingerprints import check_ranks_agree, differences, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import GlobalLoss, LossTracker
@@ -378,6 +378,7 @@ class FabricTrainer(ModelTrainer):
 
     def _set_up_run(self, fabric: Fabric, a: SimpleNamespace, fabric_args: dict) -> tuple[_RunState, list, dict]:
         """flair's set-up, in flair's order: plugins, model card, data, evaluation splits, model and optimizer."""
+        check_ranks_agree(fabric, self.corpus, self.model)
         a.exclude_labels = a.exclude_labels if a.exclude_labels is not None else []
         base_path = Path(a.base_path)
         base_path.mkdir(exist_ok=True, parents=True)

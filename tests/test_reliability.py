@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,4 +165,22 @@ def test_an_interrupted_job_stops_every_rank_and_saves_the_final_model_once(
     for rank in (0, 1):
         assert state_dict_difference(final.state_dict(), torch.load(run_dir / f"weights-rank{rank}.pt")["final"]) == 0
     assert not list(run_dir.glob(".*.tmp")), "no half-written file is left"
+    assert job.no_process_left()
+
+
+@pytest.mark.parametrize(
+    ("differ", "message"),
+    [
+        ("corpus", r"rank 1's corpus differs from rank 0's in dev, test, train"),
+        ("labels", r"rank 1's model differs from rank 0's in dictionary .label_dictionary"),
+    ],
+)
+def test_ranks_that_would_train_different_things_are_refused(tmp_path: Path, differ: str, message: str) -> None:
+    config = _config(tmp_path, "differing")
+    write_config(config, {**json.loads(config.read_text()), "differ_on_rank1": differ})
+    job = run_job(config, timeout=120)
+    assert job.returncode != 0 and job.seconds < 60
+    assert re.search(message, job.stderr), job.stderr[-3000:]
+    assert "the processes would not train the same thing" in job.stderr
+    assert not (tmp_path / "differing" / "loss.tsv").exists(), "refused before training"
     assert job.no_process_left()

@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import torch
+from flair.data import Dictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -64,7 +65,16 @@ class Traces(TrainerPlugin):
 def build(model: str, out: Path):
     if model == "text":
         corpus = small_trec(**CONFIG.get("corpus", {}))
-        return tiny_text_classifier(corpus, **CONFIG.get("model_options", {})), corpus
+        classifier = tiny_text_classifier(corpus, **CONFIG.get("model_options", {}))
+        differ = CONFIG.get("differ_on_rank1") if os.environ.get("LOCAL_RANK") == "1" else None
+        if differ == "corpus":  # e.g. a data file that changed between the processes' reads
+            corpus = small_trec(**CONFIG.get("corpus", {}), seed=4)
+        if differ == "labels":  # e.g. a label dictionary built by iterating a set
+            labels = Dictionary(add_unk=False)
+            for item in reversed(classifier.label_dictionary.get_items()):
+                labels.add_item(item)
+            classifier.label_dictionary = labels
+        return classifier, corpus
     if model == "tagger":
         corpus = small_wnut(out / f"wnut-{os.environ.get('LOCAL_RANK', '0')}")
         return tiny_sequence_tagger(corpus), corpus
