@@ -53,6 +53,20 @@ def _save_with_weights(model: flair.nn.Model, path: str, weights: dict[str, torc
     torch.save(model_state, path, pickle_protocol=4)
 
 
+def check_writable_folder(base_path: str | Path) -> None:
+    """``base_path`` exists (it is created if needed) and a file can be written into it; otherwise a clear error."""
+    folder = Path(base_path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"base_path={str(base_path)!r} cannot be written ({error.strerror or error}): pass a folder you can"
+            " create and write files in."
+        ) from None
+
+
 def _umask() -> int:
     current = os.umask(0)
     os.umask(current)

@@ -30,7 +30,7 @@ from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule
 from torch.utils.data import Dataset, Subset
 
-from flair_fabric.checkpoint import load_from_global_zero, save_on_global_zero
+from flair_fabric.checkpoint import check_writable_folder, load_from_global_zero, save_on_global_zero
 from flair_fabric.environment import external_launch
 from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.failures import exit_with_parent, graceful_interrupts, stop_started_processes
@@ -212,8 +212,8 @@ class FabricTrainer(ModelTrainer):
             precision=precision,
             use_amp=flair_args.use_amp,
         )
-        self._check_run(flair_args, config)
         resume_folder = self._check_resume(flair_args, checkpoint_every_n_epochs, resume_from)
+        self._check_run(flair_args, config)
         fabric = build_fabric(config)
         self.fabric = fabric
         fabric_args = {
@@ -242,6 +242,7 @@ class FabricTrainer(ModelTrainer):
         """Refuse, before any process starts, what cannot train."""
         if self.corpus.train is None:
             raise ValueError("the corpus has no train split: FabricTrainer needs training data (corpus.train).")
+        check_writable_folder(args.base_path)
         size = _len_dataset(self._get_train_data(args.train_with_dev, args.train_with_test))
         if size == 0:
             raise ValueError("the train split is empty: FabricTrainer needs at least one training data point.")

@@ -1,0 +1,132 @@
+"""Checkpoints and model files that survive a crash during a save; resume on one device; bad resume input."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flair.models import TextClassifier
+from lightning.fabric import Fabric
+
+from flair_fabric import FabricTrainer
+from flair_fabric.checkpoint import save_model_atomically
+from flair_fabric.resume import Progress, checkpoint_folder, find_checkpoint, read_progress, save_training_state
+
+from .support import small_trec, state_dict_difference, tiny_text_classifier
+
+# SGD with annealing, shuffled batches and dropout on one device
+ONE_DEVICE = {
+    "mini_batch_size": 8,
+    "learning_rate": 0.5,
+    "accelerator": "cpu",
+    "devices": 1,
+    "embeddings_storage_mode": "none",
+    "checkpoint_every_n_epochs": 1,
+    "use_final_model_for_eval": True,  # compare the trained weights, not the best epoch's
+}
+
+
+def _classifier(**options: Any) -> tuple[TextClassifier, Any]:
+    corpus = small_trec()
+    return tiny_text_classifier(corpus, dropout=0.3, **options), corpus
+
+
+class _CrashDuringWrite(Exception):
+    pass
+
+
+def _torch_save_crashing(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+    Path(f).write_bytes(b"half a file")
+    raise _CrashDuringWrite
+
+
+def _fabric_save_crashing(path: Any, state: Any, *args: Any, **kwargs: Any) -> None:
+    Path(path).write_bytes(b"half a file")
+    raise _CrashDuringWrite
+
+
+def test_a_crash_while_saving_a_model_leaves_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = _classifier()
+    path = tmp_path / "best-model.pt"
+    save_model_atomically(model, path)
+    before = path.read_bytes()
+    monkeypatch.setattr(torch, "save", _torch_save_crashing)
+    with pytest.raises(_CrashDuringWrite):
+        save_model_atomically(tiny_text_classifier(small_trec(), seed=8), path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert state_dict_difference(TextClassifier.load(path).state_dict(), model.state_dict()) == 0.0
+    assert [p.name for p in tmp_path.iterdir()] == ["best-model.pt"], "no temporary file is left"
+
+
+def test_a_crash_while_saving_a_checkpoint_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = _classifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    folder = checkpoint_folder(tmp_path)
+    progress = Progress(1, 6, 0.5, 0, 1, {})
+    save_training_state(fabric, folder, model, optimizer, [], progress)
+    monkeypatch.setattr(fabric, "save", _fabric_save_crashing)
+    with pytest.raises(_CrashDuringWrite):
+        save_training_state(fabric, folder, model, optimizer, [], Progress(2, 12, 0.6, 0, 1, {}))
+    assert find_checkpoint("auto", tmp_path) == folder and read_progress(folder).epoch == 1
+    assert torch.load(folder / "state.ckpt")["model"].keys() == model.state_dict().keys()
+    # a crash between the two renames of a save: the previous checkpoint is found under its old name
+    shutil.move(folder, folder.parent / ".checkpoint.old")
+    assert find_checkpoint("auto", tmp_path) == folder.parent / ".checkpoint.old"
+
+
+def test_resuming_on_one_device_gives_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    model, corpus = _classifier()
+    FabricTrainer(model, corpus).train(tmp_path / "once", max_epochs=4, **ONE_DEVICE)
+    first, corpus = _classifier()
+    FabricTrainer(first, corpus).train(tmp_path / "twice", max_epochs=2, **ONE_DEVICE)
+    second, corpus = _classifier()
+    FabricTrainer(second, corpus).train(tmp_path / "twice", max_epochs=4, resume_from="auto", **ONE_DEVICE)
+    assert state_dict_difference(model.state_dict(), second.state_dict()) <= 1e-7
+    assert state_dict_difference(first.state_dict(), second.state_dict()) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path: Path) -> None:
+    model, corpus = _classifier()
+    FabricTrainer(model, corpus).train(tmp_path, max_epochs=2, **ONE_DEVICE)
+    resumed, corpus = _classifier()
+    settings = {**ONE_DEVICE, "devices": 2, "strategy": "ddp_fork"}
+    FabricTrainer(resumed, corpus).train(tmp_path, max_epochs=3, resume_from="auto", **settings)
+    log = (tmp_path / "training.log").read_text()
+    assert "resuming a checkpoint of 1 process(es) on 2" in log and "EPOCH 3 done" in log
+    assert read_progress(checkpoint_folder(tmp_path)).epoch == 3
+    assert [line.split("\t")[0] for line in (tmp_path / "loss.tsv").read_text().splitlines()] == [
+        "EPOCH",
+        "1",
+        "2",
+        "3",
+    ]
+
+
+def test_bad_resume_and_base_path_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model, corpus = _classifier()
+    FabricTrainer(model, corpus).train(tmp_path / "run", max_epochs=1, **ONE_DEVICE)
+    files = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
+
+    other_model = tiny_text_classifier(small_trec(train_size=40, seed=5))  # another vocabulary
+    with pytest.raises(ValueError, match=r"was written for another model \(differs in: .*vocab_dictionary"):
+        FabricTrainer(other_model, corpus).train(tmp_path / "run", max_epochs=2, resume_from="auto", **ONE_DEVICE)
+    with pytest.raises(ValueError, match=r"is not a flair-fabric checkpoint \(no progress.json in it\)"):
+        FabricTrainer(model, corpus).train(tmp_path / "new", resume_from=tmp_path / "run", **ONE_DEVICE)
+    with pytest.raises(ValueError, match=r"epoch=2 and resume_from=.* \(which ends at epoch 1\) were both given"):
+        FabricTrainer(model, corpus).train(tmp_path / "run", epoch=2, resume_from="auto", **ONE_DEVICE)
+    with pytest.raises(ValueError, match=r"checkpoint_every_n_epochs=-1 is not valid"):
+        FabricTrainer(model, corpus).train(tmp_path / "run", **{**ONE_DEVICE, "checkpoint_every_n_epochs": -1})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match=r"base_path=.*a-file/out' cannot be written .*: pass a folder you can"):
+        FabricTrainer(model, corpus).train(blocker / "out", **ONE_DEVICE)
+    assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == files
+    assert not (tmp_path / "new").exists()
