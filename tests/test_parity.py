@@ -23,7 +23,16 @@ from .support import (
     tiny_text_classifier,
 )
 
-FABRIC_ONLY_SETUP_KEYS = {"accelerator", "devices", "num_nodes", "strategy", "precision", "progress_bar"}
+FABRIC_ONLY_SETUP_KEYS = {
+    "accelerator",
+    "devices",
+    "num_nodes",
+    "strategy",
+    "precision",
+    "progress_bar",
+    "checkpoint_every_n_epochs",
+    "resume_from",
+}
 
 
 def _train_both(build, method: str, tmp_path: Path, **kwargs: Any):

@@ -101,16 +101,19 @@ def _loss_rows(run_dir: Path) -> list[list[str]]:
     return [line[:timestamp] + line[timestamp + 1 :] for line in lines]
 
 
-def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path) -> None:
-    completed = run_job(_config(tmp_path, "uninterrupted"))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path, strategy: str) -> None:
+    completed = run_job(_config(tmp_path, "uninterrupted", kwargs={"strategy": strategy}))
     assert completed.returncode == 0, completed.stderr[-3000:]
 
-    killed = run_job(_config(tmp_path, "resumed", kill_at_epoch=3))
+    killed = run_job(_config(tmp_path, "resumed", kill_at_epoch=3, kwargs={"strategy": strategy}))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert read_progress(checkpoint_folder(tmp_path / "resumed")).epoch == 2
+    checkpoint = checkpoint_folder(tmp_path / "resumed")
+    assert read_progress(checkpoint).epoch == 2
+    assert (checkpoint / "state.ckpt").is_dir() == (strategy == "fsdp"), "under fsdp the checkpoint is sharded"
     assert not (tmp_path / "resumed" / "final-model.pt").exists()
 
-    resumed = run_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto"}))
+    resumed = run_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto", "strategy": strategy}))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in (tmp_path / "resumed" / "training.log").read_text()
 
