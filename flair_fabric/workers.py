@@ -11,6 +11,7 @@ rank 0 forever.)
 from __future__ import annotations
 
 import functools
+import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +23,10 @@ from lightning.fabric import Fabric
 
 from flair_fabric import transport
 from flair_fabric.environment import environment_restored
-from flair_fabric.failures import exit_with_parent
+from flair_fabric.failures import exit_with_parent, graceful_interrupts
 from flair_fabric.launch import LAUNCHING_STRATEGIES
+
+log = logging.getLogger("flair")
 
 Job = TypeVar("Job")
 Result = TypeVar("Result")
@@ -43,9 +46,14 @@ def run_on_every_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result],
     payload = transport.dumps(job) if fabric.strategy.start_method == "spawn" else job
     with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:
         handoff = Path(handoff_dir) / "rank0-result.pickle"
-        with environment_restored("MASTER_PORT"):
+        # Ctrl-C reaches the workers too: they stop together and save; this process waits for them (twice: at once)
+        with environment_restored("MASTER_PORT"), graceful_interrupts(_workers_stop):
             fabric.launch(functools.partial(_run_in_worker, function=function, job=payload, handoff=handoff))
         return transport.loads(handoff.read_bytes())
+
+
+def _workers_stop(signal_name: str) -> None:
+    log.warning(f"{signal_name} received: the workers stop at their next agreement point (send it again to stop now)")
 
 
 def _run_in_worker(fabric: Fabric, function: Callable[[Fabric, Any], Any], job: Any, handoff: Path) -> None:

@@ -187,3 +187,18 @@ def test_ranks_that_would_train_different_things_are_refused(tmp_path: Path, dif
     assert "the processes would not train the same thing" in job.stderr
     assert not (tmp_path / "differing" / "loss.tsv").exists(), "refused before training"
     assert job.no_process_left()
+
+
+def test_ctrl_c_with_forked_workers_stops_them_together_and_hands_back_the_final_model(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(SCRIPTS / "interrupted_workers.py"), str(tmp_path)]
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
+    job = finish(process, started, timeout=120)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "final-model.pt differs from the caller's model by 0.0" in job.stdout
+    log = (tmp_path / "training.log").read_text()
+    assert "SIGINT received by rank" in log and log.count("Saving model ...") == 1
+    assert job.no_process_left()
