@@ -22,12 +22,16 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import flair
 import numpy as np
 import torch
 import torch.distributed
 from lightning.fabric import Fabric
+
+from flair_fabric.fingerprints import differences, model_fingerprint
 
 log = logging.getLogger("flair")
 
@@ -78,6 +82,39 @@ def find_checkpoint(resume_from: str | Path | None, base_path: str | Path) -> Pa
             f"resume_from={str(resume_from)!r} is not a flair-fabric checkpoint (no {PROGRESS} in it): pass the"
             f" '{FOLDER}' folder a run with checkpoint_every_n_epochs wrote, or resume_from='auto'."
         )
+    return folder
+
+
+def checkpoint_to_resume(
+    model: flair.nn.Model, args: SimpleNamespace, checkpoint_every_n_epochs: int, resume_from: str | Path | None
+) -> Path | None:
+    """Check the checkpoint arguments and the checkpoint ``model`` resumes from (before any process starts); set
+    flair's own ``epoch`` argument (``args.epoch``) from it. Returns the checkpoint folder, if there is one."""
+    if isinstance(checkpoint_every_n_epochs, bool) or not isinstance(checkpoint_every_n_epochs, int):
+        raise ValueError(
+            f"checkpoint_every_n_epochs={checkpoint_every_n_epochs!r} is not valid: pass a number of epochs"
+            " (0 for no checkpoints)."
+        )
+    if checkpoint_every_n_epochs < 0:
+        raise ValueError(f"checkpoint_every_n_epochs={checkpoint_every_n_epochs} is not valid: pass 0 or more.")
+    folder = find_checkpoint(resume_from, args.base_path)
+    if folder is None:
+        if resume_from == "auto":
+            log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(args.base_path)}, starting afresh")
+        return None
+    progress = read_progress(folder)
+    differing = differences(progress.model_fingerprint, model_fingerprint(model))
+    if differing:
+        raise ValueError(
+            f"resume_from={str(resume_from)!r}: the checkpoint in {folder} was written for another model"
+            f" (differs in: {', '.join(differing)}): resume with the model the checkpoint was trained from."
+        )
+    if args.epoch not in (0, progress.epoch):
+        raise ValueError(
+            f"epoch={args.epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
+            " both given: leave epoch out when resuming."
+        )
+    args.epoch = progress.epoch  # flair's own argument for continuing a run
     return folder
 
 

@@ -34,7 +34,7 @@ from flair_fabric.checkpoint import check_writable_folder, load_from_global_zero
 from flair_fabric.environment import external_launch
 from flair_fabric.evaluation import evaluate_across_ranks
 from flair_fabric.failures import exit_with_parent, graceful_interrupts, stop_started_processes
-from flair_fabric.fingerprints import check_ranks_agree, differences, model_fingerprint
+from flair_fabric.fingerprints import check_ranks_agree, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import GlobalLoss, LossTracker
@@ -49,10 +49,9 @@ from flair_fabric.progress import EpochProgressBar, show_progress_bar
 from flair_fabric.resume import (
     Progress,
     checkpoint_folder,
-    find_checkpoint,
+    checkpoint_to_resume,
     keep_loss_rows_up_to,
     load_training_state,
-    read_progress,
     save_training_state,
     set_rng_state,
 )
@@ -212,7 +211,7 @@ class FabricTrainer(ModelTrainer):
             precision=precision,
             use_amp=flair_args.use_amp,
         )
-        resume_folder = self._check_resume(flair_args, checkpoint_every_n_epochs, resume_from)
+        resume_folder = checkpoint_to_resume(self.model, flair_args, checkpoint_every_n_epochs, resume_from)
         self._check_run(flair_args, config)
         fabric = build_fabric(config)
         self.fabric = fabric
@@ -266,37 +265,6 @@ class FabricTrainer(ModelTrainer):
                 f"the train split has {size} data point(s) for {config.world_size} processes: every process needs"
                 " at least one; use fewer devices or more training data."
             )
-
-    def _check_resume(
-        self, args: SimpleNamespace, checkpoint_every_n_epochs: int, resume_from: str | Path | None
-    ) -> Path | None:
-        """Check the checkpoint arguments and the checkpoint to resume from; set flair's ``epoch`` from it."""
-        if isinstance(checkpoint_every_n_epochs, bool) or not isinstance(checkpoint_every_n_epochs, int):
-            raise ValueError(
-                f"checkpoint_every_n_epochs={checkpoint_every_n_epochs!r} is not valid: pass a number of epochs"
-                " (0 for no checkpoints)."
-            )
-        if checkpoint_every_n_epochs < 0:
-            raise ValueError(f"checkpoint_every_n_epochs={checkpoint_every_n_epochs} is not valid: pass 0 or more.")
-        folder = find_checkpoint(resume_from, args.base_path)
-        if folder is None:
-            if resume_from == "auto":
-                log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(args.base_path)}, starting afresh")
-            return None
-        progress = read_progress(folder)
-        differing = differences(progress.model_fingerprint, model_fingerprint(self.model))
-        if differing:
-            raise ValueError(
-                f"resume_from={str(resume_from)!r}: the checkpoint in {folder} was written for another model"
-                f" (differs in: {', '.join(differing)}): resume with the model the checkpoint was trained from."
-            )
-        if args.epoch not in (0, progress.epoch):
-            raise ValueError(
-                f"epoch={args.epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
-                " both given: leave epoch out when resuming."
-            )
-        args.epoch = progress.epoch  # flair's own argument for continuing a run
-        return folder
 
     # --- one rank's run -----------------------------------------------------------------------------------------
 
