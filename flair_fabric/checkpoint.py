@@ -73,16 +73,6 @@ def _umask() -> int:
     return current
 
 
-def plain_state_dict(model: flair.nn.Model) -> dict[str, torch.Tensor]:
-    """The model's whole weights on the CPU; for a sharded model on global rank 0 only (``{}`` elsewhere).
-
-    For a sharded model this is a collective: every rank must call it.
-    """
-    if is_sharded(model):
-        return full_state_dict(model)
-    return {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-
-
 def save_on_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path, checkpoint: bool) -> None:
     """Write the flair model file once, from global rank 0.
 

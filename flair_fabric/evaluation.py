@@ -23,13 +23,13 @@ from typing import Any, TypeGuard
 
 import flair
 import torch
-import torch.distributed
 from flair.data import DataPoint, _len_dataset
 from flair.training_utils import EmbeddingStorageMode, Result, store_embeddings
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
+from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
@@ -133,13 +133,6 @@ class _ReplayedPredictions:
         return _to_device(batch.returned, flair.device)
 
 
-def _gather_to_global_zero(fabric: Fabric, value: Any) -> list[Any] | None:
-    """Every rank's ``value``, in rank order, on global rank 0 (``None`` elsewhere)."""
-    gathered: list[Any] | None = [None] * fabric.world_size if fabric.is_global_zero else None
-    torch.distributed.gather_object(value, gathered, dst=0)
-    return gathered
-
-
 def _ranks_with_other_data(
     data: Dataset, batches: list[_BatchPredictions], mini_batch_size: int, world_size: int
 ) -> list[int]:
@@ -172,7 +165,7 @@ def _evaluate_sharded(
         embedding_storage_mode=arguments.arguments["embedding_storage_mode"],
         return_loss=arguments.arguments["return_loss"],
     )
-    gathered = _gather_to_global_zero(fabric, predicted)
+    gathered = gather_to_global_zero(fabric, predicted)
     if gathered is None:
         return None
     unsupported = [reason for reason in gathered if isinstance(reason, _Unsupported)]

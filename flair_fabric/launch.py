@@ -30,7 +30,6 @@ StrategyArgument = str | Strategy
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "deepspeed", "deepspeed_stage_2")
-LaunchingStrategy = FlairDDPStrategy | FlairFSDPStrategy
 LAUNCHING_STRATEGIES = (FlairDDPStrategy, FlairFSDPStrategy)
 FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 _START_METHOD: dict[str, StartMethod] = {

@@ -28,9 +28,9 @@ from typing import Any
 import flair
 import numpy as np
 import torch
-import torch.distributed
 from lightning.fabric import Fabric
 
+from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.fingerprints import differences, model_fingerprint
 
 log = logging.getLogger("flair")
@@ -147,14 +147,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _every_rank(fabric: Fabric, value: Any) -> list[Any]:
-    if fabric.world_size == 1:
-        return [value]
-    gathered: list[Any] = [None] * fabric.world_size
-    torch.distributed.all_gather_object(gathered, value)
-    return gathered
-
-
 # --- plugin state ---------------------------------------------------------------------------------------------------
 
 
@@ -180,7 +172,7 @@ def save_training_state(
 
     A collective: every rank must call it.
     """
-    rng = _every_rank(fabric, rng_state())
+    rng = gather_to_global_zero(fabric, rng_state())  # every rank's generators, for rank 0 to write
     temporary = _temporary(folder)
     if fabric.is_global_zero:
         shutil.rmtree(temporary, ignore_errors=True)
