@@ -16,6 +16,7 @@ import torch
 from lightning.fabric import Fabric
 
 from flair_fabric.sharding import full_state_dict, is_sharded, load_full_state_dict
+from flair_fabric.stalls import wait_for_global_zero
 
 
 def save_model_atomically(
@@ -82,6 +83,7 @@ def save_on_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path,
     weights = full_state_dict(model) if is_sharded(model) else None
     if fabric.is_global_zero:
         save_model_atomically(model, path, checkpoint=checkpoint, weights=weights)
+    wait_for_global_zero(fabric)  # a slow disk must not trip the short timeout of the next training collective
 
 
 def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path) -> bool:
@@ -97,6 +99,7 @@ def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Pat
     state = None
     if fabric.is_global_zero:
         state = {name: tensor.cpu() for name, tensor in model.load(path).state_dict().items()}
+    wait_for_global_zero(fabric)
     if is_sharded(model):
         load_full_state_dict(model, state or {})
         return True

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 
 from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.stalls import wait_for_global_zero
 
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
 PREDICTED = "predicted"  # the label name flair's evaluate predicts into
@@ -215,6 +216,7 @@ def evaluate_across_ranks(
     if embeddings_storage_mode is not None:
         store_embeddings(data, embeddings_storage_mode)
     if fabric.world_size > 1:
+        wait_for_global_zero(fabric)  # rank 0 scores (or, in the fallback, evaluates everything) meanwhile
         result = fabric.broadcast(result, src=0)
     assert result is not None
     return result

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from lightning.fabric import Fabric
@@ -21,6 +22,7 @@ from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 
 from flair_fabric.environment import ExternalLaunch, cuda_is_initialized, external_launch, is_interactive
 from flair_fabric.sharding import FlairFSDPStrategy
+from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
 from flair_fabric.strategies import FlairDDPStrategy, StartMethod
 
 log = logging.getLogger("flair")
@@ -51,6 +53,7 @@ class LaunchConfig:
     num_nodes: int
     strategy: StrategyArgument
     precision: str
+    collective_timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT
 
     @property
     def world_size(self) -> int:
@@ -162,7 +165,11 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
 
 
 def resolve_strategy(
-    strategy: StrategyArgument, world_size: int, accelerator: str, launched: ExternalLaunch | None = None
+    strategy: StrategyArgument,
+    world_size: int,
+    accelerator: str,
+    launched: ExternalLaunch | None = None,
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
 ) -> StrategyArgument:
     """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``.
 
@@ -185,13 +192,13 @@ def resolve_strategy(
     if strategy == "auto":
         if world_size == 1 and launched is None:
             return "auto"
-        return FlairDDPStrategy(start_method="fork" if interactive else "popen")
+        return FlairDDPStrategy(start_method="fork" if interactive else "popen", timeout=timeout)
     if strategy == "fsdp":
-        return FlairFSDPStrategy(start_method="fork" if interactive else "popen")
+        return FlairFSDPStrategy(start_method="fork" if interactive else "popen", timeout=timeout)
     if strategy.startswith("deepspeed"):
         require_deepspeed(accelerator)  # before Lightning's constructor, which needs the package
-        return check_deepspeed(DeepSpeedStrategy(stage=2), accelerator)
-    return FlairDDPStrategy(start_method=_START_METHOD[strategy])
+        return check_deepspeed(DeepSpeedStrategy(stage=2, timeout=timeout), accelerator)
+    return FlairDDPStrategy(start_method=_START_METHOD[strategy], timeout=timeout)
 
 
 def deepspeed_is_installed() -> bool:
@@ -295,8 +302,18 @@ def make_launch_config(
     strategy: StrategyArgument,
     precision: str | int | None,
     use_amp: bool,
+    collective_timeout: float | timedelta | None = None,
 ) -> LaunchConfig:
-    """Check and resolve Lightning's five arguments (plus flair's ``use_amp``) without starting anything."""
+    """Check and resolve Lightning's five arguments (plus flair's ``use_amp`` and ``collective_timeout``) without
+    starting anything."""
+    timeout = check_collective_timeout(collective_timeout)
+    if collective_timeout is not None and isinstance(strategy, Strategy):
+        raise ValueError(
+            f"collective_timeout={collective_timeout!r} and a strategy object were both given: pass timeout= to the"
+            f" {type(strategy).__name__}(...) instead."
+        )
+    if isinstance(strategy, Strategy):
+        timeout = getattr(strategy, "_timeout", None) or timeout
     concrete_accelerator = resolve_accelerator(accelerator)
     resolved_devices = resolve_devices(devices, concrete_accelerator)
     nodes = check_num_nodes(num_nodes)
@@ -304,10 +321,10 @@ def make_launch_config(
     launched = external_launch()
     check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
-    resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched)
+    resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched, timeout)
     check_start_method(resolved_strategy, launched)
     check_fsdp(resolved_strategy, concrete_accelerator, resolved_precision)
-    return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision)
+    return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision, timeout)
 
 
 def build_fabric(config: LaunchConfig) -> Fabric:

@@ -32,6 +32,7 @@ from lightning.fabric import Fabric
 
 from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.fingerprints import differences, model_fingerprint
+from flair_fabric.stalls import wait_for_global_zero
 
 log = logging.getLogger("flair")
 
@@ -189,7 +190,7 @@ def save_training_state(
         torch.save(extras, temporary / "extras.pt")
         (temporary / PROGRESS).write_text(json.dumps(asdict(progress), indent=2), encoding="utf-8")
         _replace_folder(temporary, folder)
-    fabric.barrier()
+    wait_for_global_zero(fabric)
 
 
 def _replace_folder(new: Path, folder: Path) -> None:

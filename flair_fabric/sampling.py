@@ -38,7 +38,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 f"the train split has {len(order)} data point(s) for {world_size} processes: every process needs at"
                 " least one; use fewer devices or more training data."
             )
-        self.batches = _cut_batches(list(order)[rank::world_size], batch_size, len(order) // world_size)
+        shortest = len(order) // world_size
+        self.batches = _cut_batches(list(order)[rank::world_size], batch_size, shortest)
+        shard_sizes = [len(range(r, len(order), world_size)) for r in range(world_size)]
+        every_rank = [_batch_sizes(size, batch_size, shortest) for size in shard_sizes]
+        # the size of the largest batch of each step on any rank, so that every rank cuts as many chunks
+        self.largest_batches = [max(sizes) for sizes in zip(*every_rank, strict=True)]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)
@@ -53,6 +58,15 @@ def _cut_batches(shard: list[int], batch_size: int, shortest_shard: int) -> list
         last = batches.pop()
         batches[-1] = batches[-1] + last
     return batches
+
+
+def _batch_sizes(shard_size: int, batch_size: int, shortest_shard: int) -> list[int]:
+    """The sizes of the batches :func:`_cut_batches` cuts from a shard of ``shard_size`` data points."""
+    sizes = [batch_size] * (shard_size // batch_size) + ([shard_size % batch_size] if shard_size % batch_size else [])
+    if len(sizes) > steps_for(shortest_shard, batch_size):
+        last = sizes.pop()
+        sizes[-1] += last
+    return sizes
 
 
 def steps_for(shard_size: int, batch_size: int) -> int:

@@ -20,7 +20,6 @@ from typing import Any, Generic, TypeVar, cast
 
 import flair
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -37,6 +36,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
+from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
 from flair_fabric.strategies import START_METHODS, StartMethod
 from flair_fabric.transport import copy_model
 
@@ -75,7 +75,7 @@ class FlairFSDPStrategy(ModelParallelStrategy):
             fp32 gradient reduction); usually ``precision="bf16-mixed"`` is all you need.
         start_method: ``"popen"`` (default) relaunches the script once per extra device; ``"spawn"`` and ``"fork"``
             start workers from inside ``train`` (the caller's model receives the trained weights).
-        timeout: timeout of the collectives.
+        timeout: how long a collective waits for the other processes (default: 10 minutes).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default the one for the device.
     """
 
@@ -89,7 +89,7 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         cpu_offload: bool = False,
         mixed_precision: MixedPrecisionPolicy | None = None,
         start_method: StartMethod = "popen",
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT,
         process_group_backend: str | None = None,
     ) -> None:
         if start_method not in START_METHODS:
@@ -160,7 +160,9 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         units = [module for module in model.modules() if module is not model and policy(module)]
         for unit in reversed(units):
             fully_shard(unit, **options)
-        fully_shard(model, **options)
+        # the root keeps its parameters from forward to backward (they would be gathered again at once), as FSDP2
+        # does by default; a step that learns nothing then gathers them once, however many passes it makes
+        fully_shard(model, **{**options, "reshard_after_forward": False})
         # flair trains through forward_loss, not forward: the root unit's hooks must run around it
         register_fsdp_forward_method(model, "forward_loss")
         log.info(f"FSDP: {len(units)} shard unit(s) plus the root, over {device_mesh.size()} process(es)")

@@ -10,16 +10,17 @@ has such parameters, and only then pays for the search.
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any, Literal, cast
 
 import flair
 import torch
-from flair.training_utils import store_embeddings
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+
+from flair_fabric.participation import parameters_without_gradient
+from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("flair")
 
@@ -36,8 +37,8 @@ class FlairDDPStrategy(DDPStrategy):
             unused parameters on only if some parameter got no gradient; ``True``/``False`` force it.
         start_method: ``"popen"`` (default) relaunches the script once per extra device; ``"spawn"`` and ``"fork"``
             start worker processes from inside ``train`` (the caller's model receives the trained weights).
-        **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, ``process_group_backend``, DDP options such
-            as ``static_graph``).
+        **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, 10 minutes by default;
+            ``process_group_backend``; DDP options such as ``static_graph``).
     """
 
     strategy_name = "flair_ddp"
@@ -54,6 +55,7 @@ class FlairDDPStrategy(DDPStrategy):
             raise ValueError(
                 f"find_unused_parameters={find_unused_parameters!r} is not valid: pass True, False or 'auto'."
             )
+        kwargs.setdefault("timeout", DEFAULT_COLLECTIVE_TIMEOUT)
         super().__init__(start_method=start_method, **kwargs)
         self.find_unused_parameters: FindUnused = find_unused_parameters
         self.start_method: StartMethod = start_method
@@ -72,47 +74,6 @@ class FlairDDPStrategy(DDPStrategy):
             )
         self._ddp_kwargs = {**self._ddp_kwargs, "find_unused_parameters": self.find_unused_parameters}
         return super().setup_module(module)
-
-
-def _state_a_forward_pass_may_change(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
-    """Copies of the buffers and plain tensor attributes of every module: running statistics, accumulators such as
-    the prototype updates of flair's DeepNCM decoder."""
-    saved = []
-    for module in model.modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            saved.append((module, name, buffer.detach().clone()))
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                saved.append((module, name, value.detach().clone()))
-    return saved
-
-
-def parameters_without_gradient(model: flair.nn.Model, batch: list) -> list[str]:
-    """Names of trainable parameters that get no gradient from one ``forward_loss`` on ``batch``.
-
-    The probe leaves no trace: random number generators are restored, gradients are reset, buffers and tensor
-    attributes the forward pass changed are put back and the embeddings it stored on the data points are deleted.
-    """
-    saved_state = _state_a_forward_pass_may_change(model)
-    python_state = random.getstate()
-    devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
-    was_training = model.training
-    try:
-        with torch.random.fork_rng(devices=devices):
-            model.train()
-            model.zero_grad(set_to_none=True)
-            loss, _ = model.forward_loss(batch)
-            if loss.requires_grad:
-                loss.backward()
-            unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    finally:
-        random.setstate(python_state)
-        for module, name, value in saved_state:
-            setattr(module, name, value)
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-        store_embeddings(batch, "none")
-    return unused
 
 
 def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch: list) -> None:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ from flair_fabric.fingerprints import check_ranks_agree, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
 from flair_fabric.metrics import GlobalLoss, LossTracker
+from flair_fabric.participation import Participation, chunks_for_every_rank, find_stand_in_batch
 from flair_fabric.plugins import (
     EveryRankReduceTransformerVocabPlugin,
     attach_builtin_plugins,
@@ -55,8 +57,9 @@ from flair_fabric.resume import (
     save_training_state,
     set_rng_state,
 )
-from flair_fabric.sampling import shared_seed, steps_per_epoch, train_loader
+from flair_fabric.sampling import ShardedBatchSampler, shared_seed, steps_per_epoch, train_loader
 from flair_fabric.sharding import FlairFSDPStrategy, ShardedCopy, held_bytes, whole_tensor
+from flair_fabric.stalls import Position, explain_timeouts
 from flair_fabric.strategies import resolve_unused_parameters
 from flair_fabric.workers import run_on_every_rank, starts_workers
 
@@ -73,6 +76,9 @@ _FABRIC_PARAMETERS = [
     inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
     inspect.Parameter("checkpoint_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
     inspect.Parameter("resume_from", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[str, Path, None]"),
+    inspect.Parameter(
+        "collective_timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[float, timedelta, None]"
+    ),
 ]
 
 _FABRIC_DOC = """
@@ -88,6 +94,9 @@ _FABRIC_DOC = """
             checkpoint_every_n_epochs: save the complete training state to base_path/checkpoint every n epochs
                 (0: never).
             resume_from: continue from a checkpoint: its folder, or "auto" for base_path/checkpoint if there is one.
+            collective_timeout: how long a rank waits in a collective for the others before the job ends with an
+                error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
+                rank 0 alone are not limited by it.
 """
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -127,6 +136,7 @@ class _RunState:
     save_best_model: bool
     precision: str
     show_progress_bar: bool
+    participation: Participation | None = None
     checkpoint_every_n_epochs: int = 0
     resume_folder: Path | None = None
     batch_count: int = 0
@@ -146,6 +156,7 @@ class FabricTrainer(ModelTrainer):
         self.fabric: Fabric | None = None
         self.steps_per_epoch: int = 0
         self._lockstep: Lockstep | None = None
+        self._position = Position()  # where this rank is, for the error a stalled collective raises
         self._sharded_copy: ShardedCopy[flair.nn.Model] | None = None
 
     # --- the run's topology, for plugins ------------------------------------------------------------------------
@@ -193,6 +204,7 @@ class FabricTrainer(ModelTrainer):
         progress_bar: bool | None = None,
         checkpoint_every_n_epochs: int = 0,
         resume_from: str | Path | None = None,
+        collective_timeout: float | timedelta | None = None,
         **kwargs: Any,
     ) -> dict:
         bound = _FLAIR_TRAIN_CUSTOM.bind(self, base_path, *args, **kwargs)
@@ -210,6 +222,7 @@ class FabricTrainer(ModelTrainer):
             strategy=strategy,
             precision=precision,
             use_amp=flair_args.use_amp,
+            collective_timeout=collective_timeout,
         )
         resume_folder = checkpoint_to_resume(self.model, flair_args, checkpoint_every_n_epochs, resume_from)
         self._check_run(flair_args, config)
@@ -224,6 +237,7 @@ class FabricTrainer(ModelTrainer):
             "progress_bar": show_progress_bar(progress_bar, is_global_zero=True),  # checked before any process starts
             "checkpoint_every_n_epochs": checkpoint_every_n_epochs,
             "resume_from": str(resume_folder) if resume_folder is not None else None,
+            "collective_timeout": config.collective_timeout,
         }
         if not starts_workers(fabric):
             try:
@@ -273,7 +287,11 @@ class FabricTrainer(ModelTrainer):
         flair.device = fabric.device
         if fabric.local_rank > 0 and not starts_workers(fabric) and external_launch() is None:
             exit_with_parent()  # started by the script relaunch from rank 0: do not outlive it
-        with log_on_global_zero_only(fabric):
+        self._position = Position()
+        with (
+            log_on_global_zero_only(fabric),
+            explain_timeouts(fabric, self._position, fabric_args["collective_timeout"]),
+        ):
             return self._run(fabric, args, fabric_args)
 
     def _sample_train_split(self, monitor_train_sample: float | int) -> Subset:
@@ -314,6 +332,7 @@ class FabricTrainer(ModelTrainer):
 
     def _save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
         assert self.fabric is not None
+        self._position.at(f"saving {Path(model_file).name}")
         save_on_global_zero(self.fabric, self.model, model_file, checkpoint)
 
     def _load_model(self, model_file: str | Path) -> None:
@@ -386,7 +405,9 @@ class FabricTrainer(ModelTrainer):
             evaluation_splits["train_sample"] = self._sample_train_split(a.monitor_train_sample)
         determine_best_epoch_using_dev_score = bool(not a.train_with_dev and self.corpus.dev)
 
-        module = self._set_up_model_and_optimizer(fabric, a, train_data)
+        # a step that learns nothing on one rank must still take part in the others' collectives
+        stand_in = find_stand_in_batch(self.model, train_data, a.mini_batch_size) if fabric.world_size > 1 else None
+        module = self._set_up_model_and_optimizer(fabric, a, train_data, stand_in)
 
         sampler, shuffle = a.sampler, a.shuffle
         if sampler is not None:
@@ -418,10 +439,13 @@ class FabricTrainer(ModelTrainer):
             show_progress_bar=fabric_args["progress_bar"] and fabric.is_global_zero,
             checkpoint_every_n_epochs=fabric_args["checkpoint_every_n_epochs"],
             resume_folder=Path(fabric_args["resume_from"]) if fabric_args["resume_from"] else None,
+            participation=Participation(self.model, stand_in) if fabric.world_size > 1 else None,
         )
         return run, plugins, parameters
 
-    def _set_up_model_and_optimizer(self, fabric: Fabric, a: SimpleNamespace, train_data: Dataset) -> _FabricModule:
+    def _set_up_model_and_optimizer(
+        self, fabric: Fabric, a: SimpleNamespace, train_data: Dataset, stand_in: list | None
+    ) -> _FabricModule:
         """Place and wrap the model (DDP decides about unused parameters first), then build the optimizer."""
         if isinstance(fabric.strategy, FlairFSDPStrategy):
             return self._set_up_sharded_model_and_optimizer(fabric, a)
@@ -433,7 +457,7 @@ class FabricTrainer(ModelTrainer):
         for plugin in self.plugins:
             if isinstance(plugin, EveryRankReduceTransformerVocabPlugin):
                 plugin.reduce_before_wrapping(optimizer)  # on every rank, before DDP sees the parameters
-        probe = [train_data[i] for i in range(min(a.mini_batch_size, _len_dataset(train_data)))]
+        probe = stand_in or [train_data[i] for i in range(min(a.mini_batch_size, _len_dataset(train_data)))]
         resolve_unused_parameters(fabric, self.model, probe)
         module = fabric.setup_module(self.model)
         module.mark_forward_method("forward_loss")
@@ -442,6 +466,7 @@ class FabricTrainer(ModelTrainer):
 
     def _save_training_state(self, run: _RunState, epoch: int) -> None:
         """Everything a resumed run needs to continue exactly after ``epoch``, in base_path/checkpoint."""
+        self._position.at("saving the training state", epoch, 0)
         progress = Progress(
             epoch=epoch,
             batch_count=run.batch_count,
@@ -594,6 +619,7 @@ class FabricTrainer(ModelTrainer):
         """Train one epoch; returns the global train loss and the last learning-rate log text."""
         fabric, a = run.fabric, run.args
         log_line(log)
+        self._position.at("the agreement on stops at the start of the epoch", epoch, 0)
         self.dispatch("before_training_epoch", epoch=epoch)
         self._agree_on_stopping()
         self.model.model_card["training_parameters"]["epoch"] = epoch  # type: ignore[index]
@@ -615,10 +641,13 @@ class FabricTrainer(ModelTrainer):
         epoch_start_time = time.time()
         log_modulo = max(1, int(len(batch_loader) / 10))
 
+        sampler = batch_loader.batch_sampler
+        largest_batches = sampler.largest_batches if isinstance(sampler, ShardedBatchSampler) else None
         bar = EpochProgressBar(run.show_progress_bar, epoch, len(batch_loader))
         try:
             for batch_no, batch in enumerate(batch_loader):
                 run.batch_count += 1
+                self._position.at("forward and backward (the gradient collectives)", epoch, batch_no + 1)
                 batch_kw = {
                     "batch_no": batch_no,
                     "batch": batch,
@@ -626,7 +655,8 @@ class FabricTrainer(ModelTrainer):
                     "epoch": epoch,
                     "batch_count": run.batch_count,
                 }
-                batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw)
+                largest_batch = largest_batches[batch_no] if largest_batches is not None else len(batch)
+                batch_loss, gradient_norm = self._train_batch(run, batch, batch_kw, largest_batch)
                 if batch_loss.data_points > 0:
                     self._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), run.batch_count))
                     if gradient_norm is not None:
@@ -634,6 +664,7 @@ class FabricTrainer(ModelTrainer):
                     epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
 
                 if (batch_no + 1) % log_modulo == 0:
+                    self._position.at("the train loss all-reduce at a log point")
                     progress = self._global_loss(fabric, epoch_loss)
                     elapsed = time.time() - epoch_start_time
                     lr_info, momentum_info = self._get_current_lr_and_momentum(run.batch_count)
@@ -651,6 +682,7 @@ class FabricTrainer(ModelTrainer):
         finally:
             bar.close()
 
+        self._position.at("the train loss all-reduce at the end of the epoch")
         train_loss = self._global_loss(fabric, epoch_loss).mean
         self._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
         return train_loss, lr_info
@@ -664,8 +696,13 @@ class FabricTrainer(ModelTrainer):
         loss_sum, data_points = self._lockstep.agree(loss.loss_sum, count)
         return GlobalLoss.of(loss_sum, data_points)
 
-    def _train_batch(self, run: _RunState, batch: list, batch_kw: dict) -> tuple[LossTracker, torch.Tensor | None]:
-        """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch."""
+    def _train_batch(
+        self, run: _RunState, batch: list, batch_kw: dict, largest_batch: int
+    ) -> tuple[LossTracker, torch.Tensor | None]:
+        """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch.
+
+        Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
+        nothing still takes part in the collectives (:mod:`flair_fabric.participation`)."""
         fabric, a, module = run.fabric, run.args, run.module
         assert self.optimizer is not None
         self.model.zero_grad()
@@ -673,17 +710,20 @@ class FabricTrainer(ModelTrainer):
         self.dispatch("before_training_batch", **batch_kw)
 
         batch_loss = LossTracker(fabric.device)
-        batch_steps = self.get_batch_steps(batch, mini_batch_chunk_size=a.mini_batch_chunk_size)
+        batch_steps = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
         for batch_step_no, batch_step in enumerate(batch_steps):
             is_last_chunk = batch_step_no == len(batch_steps) - 1
             with fabric.no_backward_sync(module, enabled=not is_last_chunk):
                 with fabric.autocast():
-                    loss, datapoint_count = module.forward_loss(batch_step)
+                    if run.participation is None:
+                        loss, datapoint_count = module.forward_loss(batch_step)
+                    else:
+                        loss, datapoint_count = run.participation.loss(module.forward_loss, batch_step)
                 batch_loss.add(loss, datapoint_count)
                 # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
                 # world size gives the gradient of the sum over all ranks' batches.
                 self._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
-            if run.dynamic_embeddings is None:
+            if run.dynamic_embeddings is None and batch_step:
                 run.dynamic_embeddings = identify_dynamic_embeddings(batch)
             store_embeddings(batch_step, a.embeddings_storage_mode, run.dynamic_embeddings)
 
@@ -707,6 +747,7 @@ class FabricTrainer(ModelTrainer):
         validation_scores: tuple = ()
 
         for split, split_data in run.evaluation_splits.items():
+            self._position.at(f"the evaluation of the {split} split", epoch, 0)
             with self._model_for_inference() as model:
                 eval_result = self._evaluate_split(run, model, split, split_data)
             log.info(
@@ -776,6 +817,7 @@ class FabricTrainer(ModelTrainer):
                 log.info("Loading model from best epoch ...")
             else:
                 log.info("Testing using last state of model ...")
+            self._position.at("the final evaluation of the test split", 0, 0)
             with self._model_for_inference() as model:
                 test_results = evaluate_across_ranks(
                     run.fabric,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,8 @@ class KillJobAt(TrainerPlugin):
 
 
 class FailAt(TrainerPlugin):
-    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``) or die (``how="kill"``)."""
+    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``) or stall
+    for ten minutes without closing anything (``how="stall"``)."""
 
     def __init__(self, epoch: int, rank: int, how: str) -> None:
         super().__init__()
@@ -142,4 +144,6 @@ class FailAt(TrainerPlugin):
             return
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.how == "stall":
+            time.sleep(600)
         raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,12 @@ BAD_ARGUMENTS = [
         r"reduce_transformer_vocab=True .* cannot be combined with a sharded strategy",
     ),
     ({"strategy": "deepspeed_stage_3"}, r"strategy='deepspeed_stage_3' is not supported; choose one of"),
+    ({"collective_timeout": 0}, r"collective_timeout=0 is not valid: pass a positive number of seconds"),
+    ({"collective_timeout": "5m"}, r"collective_timeout='5m' is not valid"),
+    (
+        {"collective_timeout": 30, "strategy": FlairDDPStrategy(), "devices": 2},
+        r"collective_timeout=30 and a strategy object were both given: pass timeout= to the FlairDDPStrategy",
+    ),
 ]
 
 
@@ -155,3 +162,27 @@ def test_flair_device_follows_fabric(tmp_path: Path) -> None:
     trainer.train(tmp_path, max_epochs=1, accelerator="cpu", devices=1)
     assert trainer.fabric is not None and flair.device == trainer.fabric.device
     assert (trainer.world_size, trainer.global_rank, trainer.is_global_zero) == (1, 0, True)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "given", "expected"),
+    [
+        ("ddp", None, timedelta(minutes=10)),
+        ("ddp_fork", 42, timedelta(seconds=42)),
+        ("fsdp", timedelta(seconds=7), timedelta(seconds=7)),
+        (FlairDDPStrategy(), None, timedelta(minutes=10)),
+        (FlairFSDPStrategy(timeout=timedelta(seconds=9)), None, timedelta(seconds=9)),
+    ],
+)
+def test_collective_timeout_reaches_the_process_group(strategy: Any, given: Any, expected: timedelta) -> None:
+    config = make_launch_config(
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy=strategy,
+        precision=None,
+        use_amp=False,
+        collective_timeout=given,
+    )
+    assert config.collective_timeout == expected
+    assert config.strategy._timeout == expected  # what Lightning passes to init_process_group

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -17,9 +18,11 @@ import pytest
 import torch
 from flair.models import TextClassifier
 
+from flair_fabric import FabricTrainer
 from flair_fabric.resume import checkpoint_folder, read_progress
 
-from .support import REPO, SCRIPTS, state_dict_difference, write_config
+from .plugin_support import FailAt
+from .support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
 
 pytestmark = pytest.mark.multiprocess
 
@@ -137,6 +140,35 @@ def test_a_dying_rank_ends_the_whole_job(tmp_path: Path, rank: int, how: str) ->
     if how == "raise":
         assert f"RuntimeError: injected failure on rank {rank} in epoch 2" in job.stderr
     assert job.no_process_left(), "no rank may outlive the job"
+
+
+def test_a_stalled_rank_ends_the_job_after_the_collective_timeout_with_an_error_that_says_where(tmp_path: Path) -> None:
+    """A forked rank that stops making progress without closing its sockets (gloo would wait): the other rank's
+    collective times out after 3 s, its error says where it was, and the stalled rank is ended too. (Forked workers:
+    the rendezvous must also finish within the timeout, which a relaunched script's imports would not. The stalled
+    rank holds the SIGTERM with which torch ends it, and is killed 30 s later.)"""
+    rank = 1
+    corpus = small_trec()
+    trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="waited longer than collective_timeout") as raised:
+        trainer.train(
+            tmp_path,
+            max_epochs=50,
+            mini_batch_size=4,
+            devices=2,
+            accelerator="cpu",
+            strategy="ddp_fork",
+            collective_timeout=3,
+            plugins=[FailAt(epoch=2, rank=rank, how="stall")],
+        )
+    assert time.monotonic() - started < 60, "the stalled rank sleeps 600 s: the timeout must end the job"
+    assert f"global rank {1 - rank} of 2" in str(raised.value)
+    assert "in epoch 2: the agreement on stops at the start of the epoch" in str(raised.value)
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not multiprocessing.active_children(), "the stalled rank must not outlive the job"
 
 
 @pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])

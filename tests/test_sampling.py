@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 from flair.samplers import FlairSampler
 
+from flair_fabric.participation import chunks_for_every_rank
 from flair_fabric.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
 
 
@@ -18,20 +20,42 @@ def _all_batches(order: list[int], world_size: int, batch_size: int) -> list[lis
     ]
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 7, 8, 9, 20, 21, 22, 23, 101])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("batch_size", [1, 2, 4, 5])
-def test_every_point_once_and_same_number_of_steps(size: int, world_size: int, batch_size: int) -> None:
-    order = list(range(size))
-    if size < world_size:
-        with pytest.raises(ValueError, match="every process needs at least one"):
-            ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size)
-        return
-    per_rank = _all_batches(order, world_size, batch_size)
-    seen = sorted(index for batches in per_rank for batch in batches for index in batch)
-    assert seen == order
-    assert {len(batches) for batches in per_rank} == {steps_per_epoch(size, batch_size, world_size)}
-    assert all(1 <= len(batch) <= batch_size + 1 for batches in per_rank for batch in batches)
+def test_every_point_once_same_number_of_steps_and_the_largest_batch_of_each_step() -> None:
+    for size, world_size, batch_size in itertools.product(
+        [1, 2, 3, 7, 8, 9, 20, 21, 22, 23, 101], [1, 2, 3, 4], [1, 2, 5]
+    ):
+        order = list(range(size))
+        if size < world_size:
+            with pytest.raises(ValueError, match="every process needs at least one"):
+                ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size)
+            continue
+        samplers = [
+            ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=batch_size)
+            for rank in range(world_size)
+        ]
+        per_rank = [list(sampler) for sampler in samplers]
+        seen = sorted(index for batches in per_rank for batch in batches for index in batch)
+        assert seen == order
+        assert {len(batches) for batches in per_rank} == {steps_per_epoch(size, batch_size, world_size)}
+        assert all(1 <= len(batch) <= batch_size + 1 for batches in per_rank for batch in batches)
+        largest = [max(len(batches[step]) for batches in per_rank) for step in range(len(per_rank[0]))]
+        assert all(sampler.largest_batches == largest for sampler in samplers), (size, world_size, batch_size)
+
+
+@pytest.mark.parametrize(
+    ("batch", "chunk_size", "largest", "expected"),
+    [
+        ([1, 2, 3], None, 5, [[1, 2, 3]]),
+        ([1, 2, 3], 2, 3, [[1, 2], [3]]),
+        ([1, 2], 2, 3, [[1, 2], []]),  # another rank's batch of 3 makes two chunks: this rank runs two passes too
+        ([1], 1, 3, [[1], [], []]),
+        ([1, 2, 3], 5, 3, [[1, 2, 3]]),
+    ],
+)
+def test_every_rank_cuts_as_many_chunks_as_the_largest_batch_of_the_step(
+    batch: list[int], chunk_size: int | None, largest: int, expected: list[list[int]]
+) -> None:
+    assert chunks_for_every_rank(batch, chunk_size, largest) == expected
 
 
 def test_union_of_rank_batches_is_the_single_process_batch() -> None:

@@ -1,0 +1,114 @@
+"""Every flair model type trains on 2 ranks exactly as flair's own trainer trains it on the union of their batches,
+also where one rank's batches hold nothing to learn (relation extraction, entity linking, unlabelled sentences)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import flair
+import pytest
+from flair.trainers import ModelTrainer
+from torch.utils.data import Subset
+
+from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
+
+from .model_zoo import NOTHING_TO_LEARN_ON_ODD, ZOO, learns_nothing, rank_batches
+from .support import state_dict_difference
+
+pytestmark = pytest.mark.multiprocess
+
+BATCH = 2  # per rank; flair's trainer reads 2 * BATCH
+COMMON = {
+    "max_epochs": 2,
+    "learning_rate": 0.1,
+    "shuffle": False,
+    "use_final_model_for_eval": True,
+    "create_file_logs": False,
+    "save_final_model": False,  # flair cannot save a Lemmatizer without embeddings
+    "eval_batch_size": 1,  # dev batches dealt one by one: rank 1 predicts the odd ones (nothing, for some models)
+    "embeddings_storage_mode": "none",
+}
+
+
+def _predictions(model: flair.nn.Model, corpus: flair.data.Corpus) -> list[tuple[str, str, float]]:
+    """What ``model`` predicts for the test split: (what is labelled, label, score)."""
+    sentences = list(corpus.test)
+    model.predict(sentences, label_name="zoo_prediction", mini_batch_size=4)
+    labels = [label for point in sentences for label in point.get_labels("zoo_prediction")]
+    for point in sentences:
+        point.remove_labels("zoo_prediction")
+    return [(label.data_point.unlabeled_identifier, label.value, label.score) for label in labels]
+
+
+def _same_predictions(ours: list[tuple[str, str, float]], flairs: list[tuple[str, str, float]]) -> bool:
+    if [(where, value) for where, value, _ in ours] != [(where, value) for where, value, _ in flairs]:
+        # a regressor predicts a number: compare it as one
+        return all(
+            where == other_where and abs(float(value) - float(other_value)) < 1e-4
+            for (where, value, _), (other_where, other_value, _) in zip(ours, flairs, strict=True)
+        )
+    return all(abs(score - other) < 1e-4 for (_, _, score), (_, _, other) in zip(ours, flairs, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_two_ranks_train_like_flair_on_the_union(name: str, tmp_path: Path) -> None:
+    reference, corpus, extra = ZOO[name](tmp_path / "reference")
+    ModelTrainer(reference, corpus).train(tmp_path / "flair", mini_batch_size=2 * BATCH, **COMMON, **extra)
+
+    model, corpus, extra = ZOO[name](tmp_path / "fabric")
+    if name in NOTHING_TO_LEARN_ON_ODD:  # the layout this test is about: rank 1's batches learn nothing
+        assert all(learns_nothing(model, batch) for batch in rank_batches(list(corpus.train), rank=1))
+    trainer = FabricTrainer(model, corpus)
+    trainer.train(
+        tmp_path / "fabric-run",
+        mini_batch_size=BATCH,
+        devices=2,
+        accelerator="cpu",
+        strategy="ddp_fork",
+        collective_timeout=20,  # a rank left waiting fails the test quickly
+        **COMMON,
+        **extra,
+    )
+    assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
+    untrained = ZOO[name](tmp_path / "untrained")[0].state_dict()
+    assert state_dict_difference(model.state_dict(), untrained) > 1e-3, "training changed nothing: nothing is proved"
+    assert _same_predictions(_predictions(model, corpus), _predictions(reference, corpus))
+
+
+def _odd_size(size: int) -> int:
+    """The largest train size up to ``size`` that leaves 3 points for the last step of 2 ranks with batches of 2."""
+    return size - (size - 3) % 4
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", NOTHING_TO_LEARN_ON_ODD)
+def test_chunks_that_learn_nothing_and_uneven_chunk_counts_keep_the_ranks_together(
+    name: str, strategy: str, tmp_path: Path
+) -> None:
+    """Chunks of one point: every chunk of rank 1 learns nothing; with 4k + 3 train points rank 0's last batch has
+    2 points (2 chunks) where rank 1's has 1 (1 chunk, padded with an empty one that learns nothing)."""
+    reference, corpus, extra = ZOO[name](tmp_path / "reference")
+    corpus._train = Subset(corpus.train, range(_odd_size(len(corpus.train))))
+    ModelTrainer(reference, corpus).train(
+        tmp_path / "flair", mini_batch_size=2 * BATCH, mini_batch_chunk_size=2, **COMMON, **extra
+    )
+    model, corpus, extra = ZOO[name](tmp_path / "fabric")
+    corpus._train = Subset(corpus.train, range(_odd_size(len(corpus.train))))
+    stalled_after = timedelta(seconds=20)  # a rank left waiting fails the test quickly
+    chosen = (
+        FlairDDPStrategy(start_method="fork", timeout=stalled_after)
+        if strategy == "ddp"
+        else FlairFSDPStrategy(start_method="fork", timeout=stalled_after)
+    )
+    FabricTrainer(model, corpus).train(
+        tmp_path / "fabric-run",
+        mini_batch_size=BATCH,
+        mini_batch_chunk_size=1,
+        devices=2,
+        accelerator="cpu",
+        strategy=chosen,
+        **COMMON,
+        **extra,
+    )
+    assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
