@@ -6,6 +6,7 @@ script started by ``torchrun`` or ``srun`` is recognised exactly as Fabric will 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -49,6 +50,13 @@ def is_interactive() -> bool:
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
+def in_jupyter_kernel() -> bool:
+    """Whether this process is a Jupyter kernel or was forked from one (its output goes to a notebook)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
 def cuda_is_initialized() -> bool:
     """Whether this process has already initialised CUDA (after which it cannot fork workers that use it)."""
     return torch.cuda.is_initialized()
@@ -70,3 +78,20 @@ def environment_restored(*names: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class _BannerOfGlobalZeroOnly(logging.Filter):
+    """Lets Lightning's "Initializing distributed: GLOBAL_RANK: r, MEMBER: ..." line through for rank 0 only (every
+    rank prints it, on stderr, which a notebook shows in red)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not message.startswith("Initializing distributed: GLOBAL_RANK:") or "GLOBAL_RANK: 0," in message
+
+
+def quiet_lightning_banner() -> None:
+    """Install :class:`_BannerOfGlobalZeroOnly` on Lightning's logger (once per process; workers inherit it or
+    install it when they import flair-fabric)."""
+    logger = logging.getLogger("lightning.fabric.utilities.distributed")
+    if not any(isinstance(existing, _BannerOfGlobalZeroOnly) for existing in logger.filters):
+        logger.addFilter(_BannerOfGlobalZeroOnly())

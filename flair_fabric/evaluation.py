@@ -15,8 +15,14 @@ with a warning; the number is never wrong, only not sharded.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+import re
+import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -24,15 +30,16 @@ from typing import Any, TypeGuard
 import flair
 import torch
 from flair.data import DataPoint, _len_dataset
+from flair.file_utils import Tqdm
 from flair.training_utils import EmbeddingStorageMode, Result, store_embeddings
 from lightning.fabric import Fabric
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
 from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 from flair_fabric.stalls import wait_for_global_zero
 
+log = logging.getLogger("flair")
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
 PREDICTED = "predicted"  # the label name flair's evaluate predicts into
 
@@ -91,10 +98,12 @@ def _predict_batches(
     embedding_storage_mode: EmbeddingStorageMode,
     return_loss: bool,
 ) -> list[_BatchPredictions] | _Unsupported:
-    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out."""
+    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out. Global rank 0
+    shows its progress (its share of the batches) where flair's ``evaluate`` would show a bar."""
     predictions = []
+    shown = Tqdm.tqdm(batches, desc="evaluating: rank 0's batches", unit="batch", disable=rank != 0)
     with torch.no_grad():
-        for number, indices in batches:
+        for number, indices in shown:
             batch: list[DataPoint] = [data[index] for index in indices]
             for data_point in batch:
                 data_point.remove_labels(PREDICTED)
@@ -181,10 +190,27 @@ def _evaluate_sharded(
                 " across processes)"
             )
         )
-        rank_zero_warn(f"evaluating on global rank 0 only: {reason}.")
+        log.warning(f"evaluating on global rank 0 only: {reason}.")  # a log line: a warning filter must not kill
         return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
     replay = _ReplayedPredictions(model, predictions)
-    return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
+    with _without_progress_bars():  # flair's bar would count the replay, at thousands of batches per second
+        return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
+
+
+_PROGRESS_BAR = re.compile(r"\d+/\d+ \[|\d+it \[")
+
+
+@contextlib.contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """Drop the progress bars written to stderr inside the block; everything else written there passes through."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        kept = [part for part in re.split(r"[\r\n]", captured.getvalue()) if part and not _PROGRESS_BAR.search(part)]
+        if kept:
+            sys.stderr.write("\n".join(kept) + "\n")
 
 
 def evaluate_across_ranks(
@@ -208,10 +234,11 @@ def evaluate_across_ranks(
     elif can_shard(model):
         result = _evaluate_sharded(fabric, model, data, out_path if fabric.is_global_zero else None, evaluate_kwargs)
     else:
-        rank_zero_warn(
-            f"{type(model).__name__} overrides flair's evaluate, which cannot be split across processes:"
-            " evaluating on global rank 0 only."
-        )
+        if fabric.is_global_zero:
+            log.warning(
+                f"{type(model).__name__} overrides flair's evaluate, which cannot be split across processes:"
+                " evaluating on global rank 0 only."
+            )
         result = model.evaluate(data, out_path=out_path, **evaluate_kwargs) if fabric.is_global_zero else None
     if embeddings_storage_mode is not None:
         store_embeddings(data, embeddings_storage_mode)

@@ -12,7 +12,9 @@ Who notices depends on who started the processes:
 
 Ctrl-C and SIGTERM during training are held (:func:`graceful_interrupts`) until the ranks next agree on stops
 (:mod:`flair_fabric.lockstep`); then every rank stops at the same point the way flair stops on ``KeyboardInterrupt``
-(it saves ``final-model.pt``). A second signal stops at once.
+(it saves ``final-model.pt``). A second signal stops at once. Spawned and forked workers hold signals from their
+first moment, so a Ctrl-C during set-up stops them at the first agreement point; their caller passes a Ctrl-C that
+reaches it alone (a notebook kernel) on to them, and on a second one ends and reaps them.
 """
 
 from __future__ import annotations
@@ -54,27 +56,55 @@ def exit_with_parent(poll_seconds: float = 1.0) -> None:
     threading.Thread(target=watch, name="flair-fabric-parent-watch", daemon=True).start()
 
 
+FORWARDED_SIGNAL = signal.SIGUSR2
+"""What the caller of spawned or forked workers sends them when it is interrupted itself (a notebook kernel gets
+Ctrl-C alone): a SIGINT that a worker which got the SIGINT itself (sent to the whole process group) ignores."""
+
+_received: list[str] = []  # the signals this process got since its outermost graceful block began
+_consumers: list[Callable[[str], None]] = []  # who is told of the first one: the innermost block's function
+
+
+def _handle(signum: int, frame: Any) -> None:
+    forwarded = signum == FORWARDED_SIGNAL
+    name = "SIGINT" if forwarded else signal.Signals(signum).name
+    if _received:
+        if forwarded:
+            return  # the caller passing on the Ctrl-C this process got already
+        raise KeyboardInterrupt(f"{name} received a second time")
+    _received.append(name)
+    if _consumers:
+        _consumers[-1](name)
+
+
+def forget_inherited_interrupts() -> None:
+    """In a forked worker: drop the caller's graceful blocks, which the fork copied. A signal that reached the worker
+    since the fork stays held: the worker's own block is told of it."""
+    _consumers.clear()
+
+
 @contextlib.contextmanager
 def graceful_interrupts(on_signal: Callable[[str], None]) -> Iterator[None]:
-    """Inside the block the first SIGINT or SIGTERM calls ``on_signal(name)`` instead of interrupting; a second one
-    raises ``KeyboardInterrupt`` at once. Only in the main thread (elsewhere signals cannot be handled)."""
+    """Inside the block the first SIGINT or SIGTERM (or :data:`FORWARDED_SIGNAL`) calls ``on_signal(name)`` instead
+    of interrupting; a second SIGINT or SIGTERM raises ``KeyboardInterrupt`` at once.
+
+    Blocks nest: the innermost one is told, and a block that begins after a signal was held by an outer one is told
+    of it at once. Only in the main thread (elsewhere signals cannot be handled)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received: list[str] = []
-
-    def handle(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if received:
-            raise KeyboardInterrupt(f"{name} received a second time")
-        received.append(name)
-        on_signal(name)
-
-    previous = {number: signal.getsignal(number) for number in GRACEFUL_SIGNALS}
-    for number in GRACEFUL_SIGNALS:
-        signal.signal(number, handle)
+    outermost = not _consumers
+    previous = {number: signal.getsignal(number) for number in (*GRACEFUL_SIGNALS, FORWARDED_SIGNAL)}
+    if outermost:
+        for number in previous:
+            signal.signal(number, _handle)
+    _consumers.append(on_signal)
     try:
+        if _received:
+            on_signal(_received[0])
         yield
     finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        _consumers.pop()
+        if outermost:
+            _received.clear()
+            for number, handler in previous.items():
+                signal.signal(number, handler)

@@ -20,12 +20,19 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 
-from flair_fabric.environment import ExternalLaunch, cuda_is_initialized, external_launch, is_interactive
+from flair_fabric.environment import (
+    ExternalLaunch,
+    cuda_is_initialized,
+    external_launch,
+    is_interactive,
+    quiet_lightning_banner,
+)
 from flair_fabric.sharding import FlairFSDPStrategy
 from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
 from flair_fabric.strategies import FlairDDPStrategy, StartMethod
 
 log = logging.getLogger("flair")
+quiet_lightning_banner()  # every process of a run imports this module before Lightning initialises the group
 
 DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
@@ -264,6 +271,12 @@ def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | No
         raise ValueError(
             "strategy='ddp' relaunches the running script once per device, which a notebook or REPL cannot do:"
             " use strategy='ddp_notebook' (or 'auto') here, or run a script."
+        )
+    if strategy.start_method == "spawn" and launched is None and is_interactive():
+        raise ValueError(
+            "strategy='ddp_spawn' starts fresh Python processes that import the running program, which a notebook or"
+            " REPL does not have as a file: use strategy='ddp_notebook' (or 'auto', which forks) here, or run a"
+            " script."
         )
     if strategy.start_method == "fork" and cuda_is_initialized():
         raise RuntimeError(

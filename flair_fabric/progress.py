@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 
-from tqdm.auto import tqdm
+import tqdm.auto
+import tqdm.std
+
+from flair_fabric.environment import in_jupyter_kernel
 
 
 def show_progress_bar(progress_bar: bool | None, is_global_zero: bool) -> bool:
-    """Whether this rank draws the bar: global rank 0 only; ``None`` means only when stderr is a terminal, so
-    logs of batch jobs stay free of bar lines unless ``progress_bar=True`` asks for them."""
+    """Whether this rank draws the bar: global rank 0 only; ``None`` means only where someone watches (stderr is a
+    terminal, or a notebook), so logs of batch jobs stay free of bar lines unless ``progress_bar=True`` asks."""
     if progress_bar is not None and not isinstance(progress_bar, bool):
         raise ValueError(
             f"progress_bar={progress_bar!r} is not valid: pass True (always), False (never) or None (only when"
@@ -17,7 +21,7 @@ def show_progress_bar(progress_bar: bool | None, is_global_zero: bool) -> bool:
         )
     if not is_global_zero:
         return False
-    return sys.stderr.isatty() if progress_bar is None else progress_bar
+    return (sys.stderr.isatty() or in_jupyter_kernel()) if progress_bar is None else progress_bar
 
 
 class EpochProgressBar:
@@ -25,7 +29,11 @@ class EpochProgressBar:
     is all-reduced anyway, so the bar adds no collective), :meth:`close` at the end."""
 
     def __init__(self, enabled: bool, epoch: int, steps: int) -> None:
-        self.bar = tqdm(total=steps, desc=f"epoch {epoch}", unit="step", disable=not enabled, dynamic_ncols=True)
+        options = {"total": steps, "desc": f"epoch {epoch}", "unit": "step", "disable": not enabled}
+        if multiprocessing.parent_process() is None:  # the user's own process: tqdm's notebook widget where it can
+            self.bar = tqdm.auto.tqdm(**options, dynamic_ncols=True)
+        else:  # a worker forked from a notebook cannot draw widgets; a text bar on stdout (stderr shows red there)
+            self.bar = tqdm.std.tqdm(**options, file=sys.stdout if in_jupyter_kernel() else sys.stderr)
 
     def step(self) -> None:
         """One training step done."""

@@ -23,7 +23,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import flair
 import numpy as np
@@ -32,6 +32,7 @@ from lightning.fabric import Fabric
 
 from flair_fabric.collectives import gather_to_global_zero
 from flair_fabric.fingerprints import differences, model_fingerprint
+from flair_fabric.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load
 from flair_fabric.stalls import wait_for_global_zero
 
 log = logging.getLogger("flair")
@@ -103,7 +104,13 @@ def checkpoint_to_resume(
         if resume_from == "auto":
             log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(args.base_path)}, starting afresh")
         return None
-    progress = read_progress(folder)
+    try:
+        progress = check_checkpoint_folder(folder)
+    except UnsafeFile as error:
+        raise ValueError(
+            f"resume_from={str(resume_from)!r}: {error}. It was not written by flair-fabric or was changed since;"
+            " nothing in it was run. Resume only from checkpoints you trust."
+        ) from None
     differing = differences(progress.model_fingerprint, model_fingerprint(model))
     if differing:
         raise ValueError(
@@ -120,8 +127,26 @@ def checkpoint_to_resume(
 
 
 def read_progress(folder: Path) -> Progress:
-    """The progress record of a checkpoint folder."""
-    return Progress(**json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
+    """The progress record of a checkpoint folder (JSON)."""
+    try:
+        return Progress(**json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
+    except (ValueError, TypeError, UnicodeDecodeError) as error:
+        raise UnsafeFile(f"{folder / PROGRESS} is not a progress record flair-fabric wrote ({error})") from None
+
+
+def check_checkpoint_folder(folder: Path) -> Progress:
+    """Read every file of a checkpoint as plain data, before anything uses it; return its progress record.
+
+    A file that holds code or unexpected objects raises :class:`~flair_fabric.safe_loading.UnsafeFile`, and
+    nothing in it runs."""
+    progress = read_progress(folder)
+    checked_load(folder / "extras.pt")
+    state = folder / "state.ckpt"
+    if state.is_dir():
+        check_distributed_checkpoint(state)
+    else:
+        checked_load(state)
+    return progress
 
 
 # --- random number generators -------------------------------------------------------------------------------------
@@ -129,9 +154,11 @@ def read_progress(folder: Path) -> Progress:
 
 def rng_state() -> dict[str, Any]:
     """This process's random number generators."""
+    name, keys, position, has_gauss, cached_gaussian = cast(tuple[str, Any, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # as tensors and numbers, so that the checkpoint loads as plain data (weights_only=True)
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached_gaussian)),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -142,7 +169,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put this process's random number generators back where ``state`` says."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -177,7 +205,7 @@ def save_training_state(
     temporary = _temporary(folder)
     if fabric.is_global_zero:
         shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
+        temporary.mkdir(parents=True, mode=0o700)  # private to the user while it is written
     fabric.barrier()
     fabric.save(temporary / "state.ckpt", {"model": module, "optimizer": optimizer})
     if fabric.is_global_zero:
@@ -189,8 +217,15 @@ def save_training_state(
         }
         torch.save(extras, temporary / "extras.pt")
         (temporary / PROGRESS).write_text(json.dumps(asdict(progress), indent=2), encoding="utf-8")
+        _make_private(temporary)
         _replace_folder(temporary, folder)
     wait_for_global_zero(fabric)
+
+
+def _make_private(folder: Path) -> None:
+    """Owner-only permissions for a checkpoint folder and what is in it (0o700 folders, 0o600 files)."""
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
 
 
 def _replace_folder(new: Path, folder: Path) -> None:
@@ -211,8 +246,8 @@ def load_training_state(
     A collective: every rank must call it.
     """
     progress = read_progress(folder)
-    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer})
-    extras = torch.load(folder / "extras.pt", map_location="cpu", weights_only=False)
+    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer}, weights_only=True)
+    extras = checked_load(folder / "extras.pt")
     schedulers = _schedulers(plugins)
     if schedulers.keys() != extras["schedulers"].keys():
         raise ValueError(

@@ -79,7 +79,7 @@ def evaluate(
     path = Path(out_path) if out_path is not None else None
     kwargs = {"gold_label_type": gold_label_type, **evaluate_kwargs}
     job = _EvaluationJob(model, data, path, kwargs, return_predictions=starts_workers(fabric))
-    result, predictions = run_on_every_rank(fabric, _evaluate_on_rank, job)
+    result, predictions = run_on_every_rank(fabric, _evaluate_on_rank, job, result_types=[Result, RecordedLabel])
     for index, labels in enumerate(predictions or []):  # workers predicted on copies: label the caller's data too
         data_point = data[index]
         data_point.remove_labels(PREDICTED)

@@ -34,7 +34,7 @@ from torch.utils.data import Dataset, Subset
 from flair_fabric.checkpoint import check_writable_folder, load_from_global_zero, save_on_global_zero
 from flair_fabric.environment import external_launch
 from flair_fabric.evaluation import evaluate_across_ranks
-from flair_fabric.failures import exit_with_parent, graceful_interrupts, stop_started_processes
+from flair_fabric.failures import exit_with_parent, graceful_interrupts
 from flair_fabric.fingerprints import check_ranks_agree, model_fingerprint
 from flair_fabric.launch import DevicesArgument, LaunchConfig, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.lockstep import DEFERRED_EVENTS, Lockstep
@@ -57,6 +57,7 @@ from flair_fabric.resume import (
     save_training_state,
     set_rng_state,
 )
+from flair_fabric.safe_loading import as_plain_data
 from flair_fabric.sampling import ShardedBatchSampler, shared_seed, steps_per_epoch, train_loader
 from flair_fabric.sharding import FlairFSDPStrategy, ShardedCopy, held_bytes, whole_tensor
 from flair_fabric.stalls import Position, explain_timeouts
@@ -90,7 +91,7 @@ _FABRIC_DOC = """
                 parameters, gradients and optimizer state), "deepspeed" (ZeRO stage 2, CUDA only), or a
                 FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
-            progress_bar: a bar per epoch on global rank 0: True, False, or None (only when stderr is a terminal).
+            progress_bar: a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).
             checkpoint_every_n_epochs: save the complete training state to base_path/checkpoint every n epochs
                 (0: never).
             resume_from: continue from a checkpoint: its folder, or "auto" for base_path/checkpoint if there is one.
@@ -240,16 +241,33 @@ class FabricTrainer(ModelTrainer):
             "collective_timeout": config.collective_timeout,
         }
         if not starts_workers(fabric):
-            try:
-                return fabric.launch(functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args))
-            except BaseException:
-                stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
-                raise
-        # spawned or forked workers train copies: the caller's model then receives rank 0's trained weights
+            run = functools.partial(self._train_on_rank, args=flair_args, fabric_args=fabric_args)
+            return run_on_every_rank(fabric, lambda rank_fabric, _: run(rank_fabric), None, config.collective_timeout)
+        # spawned or forked workers train copies: the caller's model then becomes what rank 0's model is at the end
         job = _WorkerJob(type(self), self.model, self.corpus, flair_args, fabric_args)
-        result, weights = run_on_every_rank(fabric, _train_in_worker, job)
-        self.model.load_state_dict(weights)
-        return result
+        started = time.time()
+        try:
+            trained = run_on_every_rank(
+                fabric, _train_in_worker, job, config.collective_timeout, result_types=[_TrainedInWorker]
+            )
+        except KeyboardInterrupt:
+            self._take_final_model_written_since(Path(flair_args.base_path), started)
+            raise
+        self.model.load_state_dict(trained.weights)
+        self.model.model_card = trained.model_card
+        self.model.train(trained.training)  # flair's trainer leaves it in eval mode
+        return trained.result
+
+    def _take_final_model_written_since(self, base_path: Path, started: float) -> None:
+        """After the workers were stopped at once: give the caller's model the weights of the final-model.pt they
+        saved, if they got that far, and say which state the model is in."""
+        final_model = base_path / "final-model.pt"
+        if final_model.is_file() and final_model.stat().st_mtime >= started:
+            self.model.load_state_dict(self.model.load(final_model).state_dict())
+            self.model.eval()
+            log.warning(f"the workers were stopped; the model holds the weights they saved in {final_model}")
+        else:
+            log.warning("the workers were stopped before they saved a model: the model was not updated")
 
     def _check_run(self, args: SimpleNamespace, config: LaunchConfig) -> None:
         """Refuse, before any process starts, what cannot train."""
@@ -853,10 +871,21 @@ class _WorkerJob:
     fabric_args: dict
 
 
-def _train_in_worker(fabric: Fabric, job: _WorkerJob) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One spawned or forked rank: rebuild the trainer, train; return the results and the trained weights."""
+@dataclass
+class _TrainedInWorker:
+    """What the caller's model takes over from global rank 0's model after training in workers."""
+
+    result: dict
+    weights: dict[str, torch.Tensor]
+    training: bool
+    model_card: dict | None
+
+
+def _train_in_worker(fabric: Fabric, job: _WorkerJob) -> _TrainedInWorker:
+    """One spawned or forked rank: rebuild the trainer, train; return the results and the trained model's state."""
     trainer = job.trainer_class(job.model, job.corpus)
     trainer.fabric = fabric
     result = trainer._train_on_rank(fabric, job.args, job.fabric_args)
-    weights = {name: tensor.detach().cpu() for name, tensor in trainer.model.state_dict().items()}
-    return result, weights
+    model = trainer.model
+    weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    return _TrainedInWorker(as_plain_data(result), weights, model.training, as_plain_data(model.model_card))

@@ -10,21 +10,35 @@ rank 0 forever.)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import multiprocessing
+import os
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import flair
 import torch
 from lightning.fabric import Fabric
 
 from flair_fabric import transport
-from flair_fabric.environment import environment_restored
-from flair_fabric.failures import exit_with_parent, graceful_interrupts
+from flair_fabric.environment import environment_restored, external_launch
+from flair_fabric.failures import (
+    FORWARDED_SIGNAL,
+    exit_with_parent,
+    forget_inherited_interrupts,
+    graceful_interrupts,
+    stop_started_processes,
+)
 from flair_fabric.launch import LAUNCHING_STRATEGIES
+from flair_fabric.rendezvous import loopback_interface_only, loopback_rendezvous
+from flair_fabric.safe_loading import load_data, save_private
+from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
 
 log = logging.getLogger("flair")
 
@@ -38,32 +52,115 @@ def starts_workers(fabric: Fabric) -> bool:
     return isinstance(strategy, LAUNCHING_STRATEGIES) and strategy.starts_workers_in_train
 
 
-def run_on_every_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job) -> Result:
-    """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers."""
-    if not starts_workers(fabric):
-        return fabric.launch(lambda rank_fabric: function(rank_fabric, job))
+def starts_every_process_here(fabric: Fabric) -> bool:
+    """Whether this process starts all other processes of the run, on this machine (relaunch, spawn, fork)."""
+    strategy = fabric.strategy
+    return (
+        isinstance(strategy, LAUNCHING_STRATEGIES)
+        and fabric.world_size > 1
+        and strategy.num_nodes == 1
+        and external_launch() is None
+        and "LOCAL_RANK" not in os.environ  # not a copy the script relaunch started
+    )
+
+
+def _rendezvous(fabric: Fabric, timeout: timedelta) -> contextlib.AbstractContextManager[Any]:
+    """Where the processes of a one-machine run meet: on loopback (see :mod:`flair_fabric.rendezvous`)."""
+    if starts_every_process_here(fabric):
+        return loopback_rendezvous(timeout, keep=not starts_workers(fabric))
+    launched = external_launch()
+    if launched is None or launched.num_nodes != 1 or fabric.world_size == 1:
+        return contextlib.nullcontext()  # several machines: the addresses the user gave
+    if launched.launcher == "SLURM":  # task 0 hosts the store on the port SLURM's environment names
+        port = fabric.strategy.cluster_environment.main_port  # type: ignore[attr-defined]
+        return loopback_rendezvous(timeout, keep=True, port=port, host=os.environ.get("SLURM_PROCID") == "0")
+    return loopback_interface_only()  # torchrun hosts its own store
+
+
+def run_on_every_rank(
+    fabric: Fabric,
+    function: Callable[[Fabric, Job], Result],
+    job: Job,
+    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    result_types: Iterable[type] = (),
+) -> Result:
+    """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers.
+
+    The one launch path of flair-fabric. When this process starts every other one, they meet at a store it hosts on
+    loopback (:mod:`flair_fabric.rendezvous`). Relaunched copies of the script are killed when this rank raises.
+    With workers, a Ctrl-C (or SIGTERM) that reaches this process is passed on to them (they stop together at their
+    next agreement point and save, and this process waits for them); a second one ends them at once, reaps them and
+    raises ``KeyboardInterrupt``. Workers never outlive this call. ``timeout``: of the rendezvous.
+
+    Rank 0's result comes back from workers as plain data through a private file (``result_types``: the classes
+    besides tensors and plain Python values it may hold), loaded with ``weights_only=True``."""
+    with _rendezvous(fabric, timeout):
+        if not starts_workers(fabric):
+            try:
+                return fabric.launch(lambda rank_fabric: function(rank_fabric, job))
+            except BaseException:
+                stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
+                raise
+        return _run_in_workers(fabric, function, job, result_types)
+
+
+def _run_in_workers(
+    fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job, result_types: Iterable[type]
+) -> Result:
     assert isinstance(fabric.strategy, LAUNCHING_STRATEGIES)
     payload = transport.dumps(job) if fabric.strategy.start_method == "spawn" else job
-    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:
-        handoff = Path(handoff_dir) / "rank0-result.pickle"
-        # Ctrl-C reaches the workers too: they stop together and save; this process waits for them (twice: at once)
-        with environment_restored("MASTER_PORT"), graceful_interrupts(_workers_stop):
-            fabric.launch(functools.partial(_run_in_worker, function=function, job=payload, handoff=handoff))
-        return transport.loads(handoff.read_bytes())
+    existing = set(multiprocessing.active_children())
+    interrupted: list[str] = []
+
+    def pass_on(signal_name: str) -> None:
+        interrupted.append(signal_name)
+        for worker in set(multiprocessing.active_children()) - existing:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, FORWARDED_SIGNAL)  # type: ignore[arg-type]
+
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:  # 0o700: the user's alone
+        handoff = Path(handoff_dir) / "rank0-result.pt"
+        try:
+            with environment_restored("MASTER_PORT"), graceful_interrupts(pass_on):
+                fabric.launch(functools.partial(_run_in_worker, function=function, job=payload, handoff=handoff))
+        except BaseException as error:
+            stopped = _stop_and_reap(set(multiprocessing.active_children()) - existing)
+            if interrupted or isinstance(error, KeyboardInterrupt):
+                log.warning(f"interrupted: {stopped} worker process(es) stopped")
+                raise KeyboardInterrupt(
+                    f"{(interrupted or ['SIGINT'])[0]} received: the workers were stopped"
+                ) from error
+            raise
+        return cast(Result, load_data(handoff, result_types))
 
 
-def _workers_stop(signal_name: str) -> None:
-    log.warning(f"{signal_name} received: the workers stop at their next agreement point (send it again to stop now)")
+def _stop_and_reap(workers: set[multiprocessing.process.BaseProcess], grace_seconds: float = 2.0) -> int:
+    """Kill the workers still running (after a short grace period) and collect every exit status, so that no
+    ``<defunct>`` process is left behind. Returns how many had to be killed."""
+    deadline = time.monotonic() + grace_seconds
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    killed = 0
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            killed += 1
+        worker.join()
+    return killed
 
 
 def _run_in_worker(fabric: Fabric, function: Callable[[Fabric, Any], Any], job: Any, handoff: Path) -> None:
-    """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``."""
-    flair.device = fabric.device
-    exit_with_parent()  # a worker must not outlive the process that started it
-    if isinstance(job, bytes):
-        cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights
-            job = transport.loads(job)
-    result = function(fabric, job)
-    if fabric.is_global_zero:
-        handoff.write_bytes(transport.dumps(result))
+    """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``.
+
+    Signals are held from the start: a Ctrl-C during set-up stops every rank at the first agreement point."""
+    forget_inherited_interrupts()
+    with graceful_interrupts(lambda signal_name: None):
+        flair.device = fabric.device
+        exit_with_parent()  # a worker must not outlive the process that started it
+        if isinstance(job, bytes):
+            cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights
+                job = transport.loads(job)
+        result = function(fabric, job)
+        if fabric.is_global_zero:
+            save_private(result, handoff)

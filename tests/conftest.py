@@ -23,7 +23,12 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "method": "train_custom",
             "kwargs": {**UNION, "mini_batch_size": 4, "mini_batch_chunk_size": 2, "devices": 2},
         },
-        {"name": "defaults", "method": "train", "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2}},
+        {
+            "name": "defaults",
+            "method": "train",
+            "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2},
+            "listening": True,
+        },
         {"name": "annealed", "method": "train", "kwargs": ANNEALED},
     ]
     config = write_config(out / "config.json", {"out": str(out), "runs": runs})

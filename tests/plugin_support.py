@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,56 @@ class FailAt(TrainerPlugin):
         if self.how == "stall":
             time.sleep(600)
         raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")
+
+
+def listening_sockets_of_process_group() -> list[tuple[int, str]]:
+    """Every listening TCP socket (IPv4 and IPv6) held by a process of this process's group: (pid, local address),
+    from /proc/net/tcp{,6} matched with the sockets in /proc/<pid>/fd."""
+    listening: dict[str, str] = {}
+    for table, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                listening[fields[9]] = _address(fields[1], family)
+    group = os.getpgrp()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != group:
+                continue
+            descriptors = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for descriptor in descriptors:
+            try:
+                link = os.readlink(descriptor)
+            except OSError:  # closed meanwhile (e.g. the one listing this folder)
+                continue
+            if link.startswith("socket:[") and link[8:-1] in listening:
+                found.append((int(entry.name), listening[link[8:-1]]))
+    return found
+
+
+def _address(hex_address: str, family: int) -> str:
+    host, port = hex_address.split(":")
+    raw = bytes.fromhex(host)
+    # the kernel prints the address in host byte order, 32 bits at a time
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return f"{socket.inet_ntop(socket.AF_INET if family == 4 else socket.AF_INET6, words)}:{int(port, 16)}"
+
+
+class ListeningSockets(TrainerPlugin):
+    """On global rank 0 after the first epoch (every rank has met and connected): the listening sockets of the
+    job's processes, written to ``<out>/listening.json``."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = Path(out)
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, epoch: int, **kw: Any) -> None:
+        if epoch == 1 and self.trainer.is_global_zero:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "listening.json").write_text(json.dumps(listening_sockets_of_process_group()))

@@ -69,6 +69,15 @@ def test_all_ranks_end_with_the_same_weights_and_results(two_rank_runs: Path) ->
         assert summary0["result"] == summary1["result"], "every rank returns rank 0's values"
         assert summary0["lr_trace"] == summary1["lr_trace"]
         assert (summary0["world_size"], summary1["world_size"]) == (2, 2)
+        # the script's model (rank 0 is the user's process under the relaunch) is left as flair's trainer leaves it
+        assert summary0["training"] is False and summary0["model_card"] is not None, name
+
+
+def test_a_one_machine_run_listens_on_loopback_only(two_rank_runs: Path) -> None:
+    """The rendezvous store and gloo's sockets of the relaunched job: nothing another host could connect to."""
+    listening = json.loads((two_rank_runs / "defaults" / "listening.json").read_text())
+    assert listening, "rank 0 hosts the rendezvous store"
+    assert all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
 
 
 def test_logs_and_models_are_written_once(two_rank_runs: Path) -> None:

@@ -71,6 +71,9 @@ def test_two_ranks_train_like_flair_on_the_union(name: str, tmp_path: Path) -> N
         **extra,
     )
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
+    # the caller's model comes back from the forked workers as flair's trainer leaves it
+    assert model.training is reference.training is False
+    assert model.model_card is not None and set(model.model_card) == set(reference.model_card)
     untrained = ZOO[name](tmp_path / "untrained")[0].state_dict()
     assert state_dict_difference(model.state_dict(), untrained) > 1e-3, "training changed nothing: nothing is proved"
     assert _same_predictions(_predictions(model, corpus), _predictions(reference, corpus))

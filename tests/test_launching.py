@@ -14,11 +14,13 @@ import pytest
 import torch
 from flair.data import Sentence
 from flair.models import SequenceTagger, TextClassifier
+from flair.trainers import ModelTrainer
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric import launch as launch_module
 from flair_fabric.launch import make_launch_config
 
+from .plugin_support import ListeningSockets
 from .support import (
     REPO,
     SCRIPTS,
@@ -83,8 +85,17 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
     model = tiny_text_classifier(corpus)
     port_before = os.environ.get("MASTER_PORT")
     result = FabricTrainer(model, corpus).train_custom(
-        tmp_path, **UNION, mini_batch_size=4, accelerator="cpu", devices=2, strategy=strategy
+        tmp_path,
+        **UNION,
+        mini_batch_size=4,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        plugins=[ListeningSockets(tmp_path)],
     )
+    # nothing the run opened can be reached from another host: the store this process hosts, the workers' gloo
+    listening = json.loads((tmp_path / "listening.json").read_text())
+    assert listening and all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
     # the port the launcher picked does not stay behind for the next run or a subprocess to collide on
     assert os.environ.get("MASTER_PORT") == port_before
     # the caller's model holds the trained weights: the same as the 2-rank run started by `python script.py`
@@ -95,6 +106,16 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
         result["test_score"]
         == json.loads((two_rank_runs / "union" / "summary-rank0.json").read_text())["result"]["test_score"]
     )
+    # and it is in the state flair's trainer leaves a model in: eval mode, a model card, its device
+    reference = tiny_text_classifier(corpus)
+    ModelTrainer(reference, corpus).train_custom(tmp_path / "flair", **UNION, mini_batch_size=8)
+    assert model.training is reference.training is False
+    assert model.model_card is not None and set(model.model_card) == set(reference.model_card)
+    assert (
+        model.model_card["training_parameters"]["max_epochs"]
+        == reference.model_card["training_parameters"]["max_epochs"]
+    )
+    assert next(model.parameters()).device == next(reference.parameters()).device
 
 
 def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(tmp_path: Path) -> None:
@@ -176,7 +197,14 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
 
 
 def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
-    runs = [{"name": "slurm", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
+    runs = [
+        {
+            "name": "slurm",
+            "method": "train_custom",
+            "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2},
+            "listening": True,
+        }
+    ]
     config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
     slurm = {
         "SLURM_NTASKS": "2",
@@ -201,6 +229,9 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
     summaries = [json.loads((run_dir / f"summary-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [s["world_size"] for s in summaries] == [2, 2] and [s["local_rank"] for s in summaries] == [0, 1]
     assert len({s["pid"] for s in summaries}) == 2, "SLURM started both tasks; nothing was relaunched"
+    listening = json.loads((run_dir / "listening.json").read_text())  # one node: task 0 hosts the store on loopback
+    listening = [(pid, address) for pid, address in listening if pid in {s["pid"] for s in summaries}]
+    assert listening and all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
 
 
 def test_two_runs_at_the_same_time_both_finish(tmp_path: Path) -> None:

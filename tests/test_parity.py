@@ -32,6 +32,7 @@ FABRIC_ONLY_SETUP_KEYS = {
     "progress_bar",
     "checkpoint_every_n_epochs",
     "resume_from",
+    "collective_timeout",
 }
 
 

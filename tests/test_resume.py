@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ import torch
 from flair.models import TextClassifier
 from lightning.fabric import Fabric
 
-from flair_fabric import FabricTrainer
+from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric.resume import Progress, checkpoint_folder, find_checkpoint, read_progress, save_training_state
 
 from .support import small_trec, state_dict_difference, tiny_text_classifier
@@ -110,3 +112,43 @@ def test_bad_resume_and_base_path_input_is_refused_before_anything_is_written(tm
         FabricTrainer(model, corpus).train(blocker / "out", **ONE_DEVICE)
     assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == files
     assert not (tmp_path / "new").exists()
+
+
+class _CreatesAFile:
+    """Unpickling this object creates ``path``: a stand-in for code an attacker would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path: Path, strategy: str) -> None:
+    model, corpus = _classifier()
+
+    def settings() -> dict[str, Any]:
+        chosen = FlairDDPStrategy(start_method="fork") if strategy == "ddp" else FlairFSDPStrategy(start_method="fork")
+        return {**ONE_DEVICE, "devices": 2, "strategy": chosen}
+
+    FabricTrainer(model, corpus).train(tmp_path / "run", max_epochs=1, **settings())
+    written = checkpoint_folder(tmp_path / "run")
+    # the checkpoint is the user's alone
+    assert all(
+        (path.stat().st_mode & 0o777) == (0o700 if path.is_dir() else 0o600) for path in [written, *written.rglob("*")]
+    )
+    files = sorted(path.relative_to(written) for path in written.rglob("*") if path.is_file())
+    assert len(files) >= (3 if strategy == "ddp" else 6), files  # under fsdp: .metadata, .distcp files, meta.pt
+    marker = tmp_path / "code-ran"
+    for relative in files:
+        tampered = tmp_path / f"tampered-{relative.name}"
+        shutil.copytree(written, tampered)
+        (tampered / relative).chmod(0o600)
+        with (tampered / relative).open("wb") as stream:
+            pickle.dump(_CreatesAFile(marker), stream)
+        resumed, corpus = _classifier()
+        with pytest.raises(ValueError, match=rf"{re.escape(relative.name)}.* nothing in it was run"):
+            FabricTrainer(resumed, corpus).train(tmp_path / "resumed", max_epochs=2, resume_from=tampered, **settings())
+        assert not marker.exists(), f"replacing {relative} ran code"

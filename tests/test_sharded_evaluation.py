@@ -135,7 +135,7 @@ def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world
     config = make_launch_config(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    sharded = run_on_every_rank(build_fabric(config), _evaluate_every_case, (tmp_path, cases))
+    sharded = run_on_every_rank(build_fabric(config), _evaluate_every_case, (tmp_path, cases), result_types=[Result])
 
     predicted = [json.loads((tmp_path / f"predicted-rank{rank}.json").read_text()) for rank in range(world_size)]
     for case in cases:
@@ -194,7 +194,7 @@ def test_ranks_that_hold_different_data_never_give_a_wrong_number(tmp_path: Path
     config = make_launch_config(
         accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    results = run_on_every_rank(build_fabric(config), _ranks_disagree, (tmp_path, case))
+    results = run_on_every_rank(build_fabric(config), _ranks_disagree, (tmp_path, case), result_types=[Result])
     # rank 1 predicted other sentences than rank 0 would deal it: rank 0 evaluates everything itself
     single = case.model.evaluate(case.split(len(case.data)), case.label_type, mini_batch_size=BATCH)
     for name in ("reordered", "shorter"):

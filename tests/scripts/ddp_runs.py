@@ -24,7 +24,7 @@ from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
 from flair_fabric.sharding import held_bytes
-from tests.plugin_support import FailAt, FakeClearmlTask, HookCounter, KillJobAt
+from tests.plugin_support import FailAt, FakeClearmlTask, HookCounter, KillJobAt, ListeningSockets
 from tests.support import (
     small_trec,
     small_wnut,
@@ -137,6 +137,8 @@ for run in CONFIG["runs"]:
     seen: dict = {}
     if run.get("fail"):
         kwargs["plugins"].append(FailAt(**run["fail"]))
+    if run.get("listening"):
+        kwargs["plugins"].append(ListeningSockets(OUT / run["name"]))
     if run.get("kill_at_epoch"):
         kwargs["plugins"].append(KillJobAt(run["kill_at_epoch"]))
     if run.get("loggers"):
@@ -158,6 +160,8 @@ for run in CONFIG["runs"]:
         "node_rank": trainer.fabric.node_rank,
         "device": str(trainer.fabric.device),
         "pid": os.getpid(),
+        "training": model.training,  # flair's trainer leaves the model in eval mode
+        "model_card": sorted(model.model_card) if model.model_card is not None else None,
         "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,
         **(logger_observations(seen) if seen else {}),
     }

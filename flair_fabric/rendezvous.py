@@ -1,0 +1,111 @@
+"""The rendezvous of a one-machine run: hosted by the process that starts the others, on loopback only.
+
+PyTorch's rendezvous store (a ``TCPStore``) has no authentication, and the one ``init_process_group`` starts on
+rank 0 listens on every interface. For a run whose processes all live on this machine and are started here (the
+script relaunch, spawned or forked workers), the starting process hosts the store itself instead: on a socket it
+binds to ``127.0.0.1`` and holds from the moment the port is chosen (so no other program can take the port while the
+workers import, which made ``ddp_spawn`` fail with ``EADDRINUSE``), and every rank connects to it as a client (the
+same arrangement as under torchrun's agent, ``TORCHELASTIC_USE_AGENT_STORE``). gloo and NCCL are told to use the
+loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the user set them). Runs on several
+machines, and runs that torchrun or SLURM started, keep the addresses they were given (see ``docs/security.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+from flair_fabric.environment import environment_restored
+
+LOOPBACK = "127.0.0.1"
+_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+)
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface (``lo`` on Linux, ``lo0`` on macOS), if it has one."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+@dataclass
+class HostedStore:
+    """A rendezvous store this process hosts, and the listening socket it serves on."""
+
+    listener: socket.socket
+    store: TCPStore
+
+    @property
+    def port(self) -> int:
+        """The port the store listens on (on loopback)."""
+        return int(self.listener.getsockname()[1])
+
+
+def host_store(timeout: timedelta, port: int = 0) -> HostedStore:
+    """Start a rendezvous store server on a loopback port bound now (``0``: any free one); the ranks connect to it as
+    clients."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK, port))
+    listener.listen(128)
+    store = TCPStore(
+        LOOPBACK,
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        master_listen_fd=listener.fileno(),
+    )
+    return HostedStore(listener, store)
+
+
+_kept_for_this_process: list[HostedStore] = []
+
+
+@contextmanager
+def loopback_rendezvous(
+    timeout: timedelta, *, keep: bool, port: int = 0, host: bool = True
+) -> Iterator[HostedStore | None]:
+    """Inside the block the processes of the run meet at a store on loopback and talk over the loopback interface.
+
+    ``host``: this process hosts the store (on ``port``, ``0`` for any free one); otherwise it only connects to the one
+    another process of this machine hosts on ``port``. ``keep``: the store outlives the block (this process is rank 0,
+    whose process group goes on using it); otherwise it closes with the block. The environment is put back after."""
+    hosted = host_store(timeout, port) if host else None
+    interface = loopback_interface()
+    with environment_restored(*_VARIABLES):
+        chosen_port = hosted.port if hosted is not None else port
+        os.environ.update(
+            {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(chosen_port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        )
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        try:
+            yield hosted
+        finally:
+            if hosted is not None and keep:
+                _kept_for_this_process.append(hosted)
+            elif hosted is not None:
+                hosted.listener.close()
+
+
+@contextmanager
+def loopback_interface_only() -> Iterator[None]:
+    """gloo and NCCL on the loopback interface (a one-machine run that torchrun started: its store is torchrun's)."""
+    interface = loopback_interface()
+    with environment_restored("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        yield

@@ -1,0 +1,195 @@
+"""Training from a real Jupyter kernel (ipykernel, driven by nbclient and jupyter_client): forked workers, the model
+handed back as flair's trainer leaves it, readable output, and interrupts sent the ways Jupyter front ends send them."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+from .support import REPO
+
+pytestmark = pytest.mark.multiprocess
+
+SETUP = f"""
+import os, sys
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, {str(REPO)!r})
+import flair, torch
+flair.device = torch.device("cpu")
+from flair.data import Sentence
+from flair.trainers import ModelTrainer
+from flair_fabric import FabricTrainer
+from tests.support import small_trec, tiny_text_classifier
+corpus = small_trec()
+
+import time
+from flair.trainers.plugins import TrainerPlugin
+
+class SlowToStop(TrainerPlugin):  # a model that takes a while to save: time for a second Ctrl-C
+    @TrainerPlugin.hook
+    def training_interrupt(self, **kw):
+        time.sleep(20)
+"""
+
+
+def _notebook(*cells: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+
+
+def _stream_text(cell: nbformat.NotebookNode, name: str) -> str:
+    return "".join(output.get("text", "") for output in cell.outputs if output.get("name") == name)
+
+
+def test_a_notebook_trains_with_forked_workers_and_gets_the_model_back_as_flair_leaves_it(tmp_path: Path) -> None:
+    notebook = _notebook(
+        SETUP,
+        # dropout makes train mode visible: evaluating in train mode gives a different loss each time
+        f"""
+model = tiny_text_classifier(corpus, dropout=0.5)
+result = FabricTrainer(model, corpus).train({str(tmp_path / "fabric")!r}, max_epochs=2, mini_batch_size=4,
+                                            devices=2, accelerator="cpu")
+reference = tiny_text_classifier(corpus, dropout=0.5)
+ModelTrainer(reference, corpus).train({str(tmp_path / "flair")!r}, max_epochs=2, mini_batch_size=8)
+""",
+        """
+assert model.training is reference.training is False, (model.training, reference.training)
+losses = [model.evaluate(corpus.test, gold_label_type=model.label_type, mini_batch_size=4).loss for _ in range(3)]
+assert len(set(losses)) == 1, losses
+assert model.model_card is not None and model.model_card["training_parameters"]["devices"] == 2
+assert set(model.model_card) == set(reference.model_card)
+assert next(model.parameters()).device == next(reference.parameters()).device
+""",
+        f"""
+FabricTrainer(model, corpus).fine_tune({str(tmp_path / "again")!r}, max_epochs=1, mini_batch_size=4, devices=2,
+                                       accelerator="cpu")
+sentence = Sentence("What is the capital of France ?")
+model.predict(sentence)
+assert sentence.get_labels(model.label_type), "the model predicts after a second run"
+""",
+        f"""
+try:
+    FabricTrainer(model, corpus).train({str(tmp_path / "spawned")!r}, devices=2, accelerator="cpu",
+                                       strategy="ddp_spawn")
+except ValueError as error:
+    print("REFUSED:", error)
+""",
+    )
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    training = notebook.cells[1]
+    assert _stream_text(training, "stderr").count("Initializing distributed") <= 1, "one banner, from rank 0 at most"
+    refused = _stream_text(notebook.cells[4], "stdout")
+    assert "REFUSED: strategy='ddp_spawn' starts fresh Python processes" in refused
+    assert not (tmp_path / "spawned").exists(), "nothing may be created for a refused run"
+
+
+TRAINING = """
+model = tiny_text_classifier(corpus)
+FabricTrainer(model, corpus).train({path!r}, max_epochs=10_000, mini_batch_size=4, devices=2, accelerator="cpu",
+                                   use_final_model_for_eval=True, min_learning_rate=0.0, plugins={plugins})
+"""
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[tuple[KernelManager, Any]]:
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=str(REPO))
+    client = manager.client()
+    client.start_channels()
+    client.wait_for_ready(timeout=60)
+    reply = client.execute_interactive(SETUP, timeout=120)
+    assert reply["content"]["status"] == "ok", reply
+    yield manager, client
+    client.stop_channels()
+    manager.shutdown_kernel(now=True)
+
+
+def _children_of(pid: int) -> list[str]:
+    """The processes whose parent is ``pid`` (zombies included), as "pid state"."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(f"{entry.name} {fields[0]}")
+    return children
+
+
+def _wait_for_output(client: Any, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            message = client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if text in message["content"].get("text", ""):
+            return
+    raise AssertionError(f"{text!r} never appeared in the cell's output")
+
+
+def _reply(client: Any, msg_id: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = client.get_shell_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"]
+    raise AssertionError(f"the cell did not end within {timeout} s of the interrupt")
+
+
+@pytest.mark.parametrize(
+    ("target", "when", "times"),
+    [
+        ("kernel", "early", 1),  # VS Code signals the kernel's pid only; Ctrl-C before the first epoch
+        ("kernel", "mid-epoch", 1),
+        ("group", "mid-epoch", 1),  # Jupyter's interrupt button signals the kernel's process group
+        ("kernel", "mid-epoch", 2),
+        ("group", "mid-epoch", 2),
+    ],
+)
+def test_an_interrupt_stops_every_worker_and_the_kernel_runs_on(
+    kernel: tuple[KernelManager, Any], tmp_path: Path, target: str, when: str, times: int
+) -> None:
+    manager, client = kernel
+    kernel_pid = manager.provisioner.process.pid  # type: ignore[union-attr]
+    msg_id = client.execute(TRAINING.format(path=str(tmp_path), plugins="[SlowToStop()]" if times == 2 else "[]"))
+    if when == "early":
+        time.sleep(1.0)
+    else:
+        _wait_for_output(client, "EPOCH 1 done", timeout=120)
+    for _ in range(times):
+        if target == "kernel":
+            os.kill(kernel_pid, signal.SIGINT)
+        else:
+            os.killpg(os.getpgid(kernel_pid), signal.SIGINT)
+        time.sleep(0.5)
+    interrupted = time.monotonic()
+    reply = _reply(client, msg_id, timeout=60)
+    assert time.monotonic() - interrupted < 30, "every rank stops within seconds"
+    if times == 1 and when == "mid-epoch":
+        assert reply["status"] == "ok", reply  # flair's way: training stops, the final model is saved
+        assert (tmp_path / "final-model.pt").is_file()
+        log = (tmp_path / "training.log").read_text()
+        assert "SIGINT received by rank" in log and log.count("Saving model ...") == 1
+    if times == 2:
+        assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    deadline = time.monotonic() + 10
+    while _children_of(kernel_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _children_of(kernel_pid), "no worker is left, not even as a zombie"
+    after = client.execute_interactive("print('kernel alive', model.training)", timeout=60)
+    assert after["content"]["status"] == "ok"
