@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-fast demo bench lint clean mutation-check
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python benchmarks/run.py
+
+mutation-check: $(STAMP)
+	$(BIN)/python tests/mutation_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check flair_fabric tests benchmarks examples

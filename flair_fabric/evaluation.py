@@ -98,10 +98,11 @@ def _predict_batches(
     embedding_storage_mode: EmbeddingStorageMode,
     return_loss: bool,
 ) -> list[_BatchPredictions] | _Unsupported:
-    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out. Global rank 0
-    shows its progress (its share of the batches) where flair's ``evaluate`` would show a bar."""
+    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out. In a terminal,
+    global rank 0 shows its progress (its share of the batches) where flair's ``evaluate`` would show a bar."""
     predictions = []
-    shown = Tqdm.tqdm(batches, desc="evaluating: rank 0's batches", unit="batch", disable=rank != 0)
+    # in a terminal only: in a notebook or a log file a bar from a worker process is a stream of lines
+    shown = Tqdm.tqdm(batches, desc="evaluating: rank 0's batches", unit="batch", disable=rank != 0 or not _terminal())
     with torch.no_grad():
         for number, indices in shown:
             batch: list[DataPoint] = [data[index] for index in indices]
@@ -195,6 +196,10 @@ def _evaluate_sharded(
     replay = _ReplayedPredictions(model, predictions)
     with _without_progress_bars():  # flair's bar would count the replay, at thousands of batches per second
         return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
+
+
+def _terminal() -> bool:
+    return sys.stderr.isatty()
 
 
 _PROGRESS_BAR = re.compile(r"\d+/\d+ \[|\d+it \[")

@@ -132,8 +132,9 @@ class KillJobAt(TrainerPlugin):
 
 
 class FailAt(TrainerPlugin):
-    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``) or stall
-    for ten minutes without closing anything (``how="stall"``)."""
+    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``), stall
+    for ten minutes without closing anything (``how="stall"``) or stop (``how="stop"``, SIGSTOP: its sockets stay
+    open, so its peers' backend would wait for it)."""
 
     def __init__(self, epoch: int, rank: int, how: str) -> None:
         super().__init__()
@@ -147,6 +148,8 @@ class FailAt(TrainerPlugin):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == "stall":
             time.sleep(600)
+        if self.how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")
 
 

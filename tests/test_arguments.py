@@ -17,7 +17,7 @@ from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric import launch as launch_module
 from flair_fabric.launch import make_launch_config, resolve_devices
 
-from .support import small_trec, tiny_text_classifier
+from .support import EventRecorder, small_trec, tiny_text_classifier
 
 
 @pytest.fixture(scope="module")
@@ -144,15 +144,39 @@ def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:
         FabricTrainer(model, one).train(tmp_path, accelerator="cpu", devices=2)
 
 
-def test_signatures_keep_flair_arguments_and_defaults() -> None:
-    for name in ("train", "fine_tune", "train_custom"):
-        flair_parameters = inspect.signature(getattr(ModelTrainer, name)).parameters
-        ours = inspect.signature(getattr(FabricTrainer, name)).parameters
-        for parameter in flair_parameters.values():
-            assert ours[parameter.name].default == parameter.default, (name, parameter.name)
-        for added, default in {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto"}.items():
-            assert ours[added].default == default
-        assert ours["precision"].default is None
+OURS = {
+    "accelerator": "auto",
+    "devices": "auto",
+    "num_nodes": 1,
+    "strategy": "auto",
+    "precision": None,
+    "progress_bar": None,
+    "checkpoint_every_n_epochs": 0,
+    "resume_from": None,
+    "collective_timeout": None,
+}
+
+
+def test_every_flair_argument_is_accepted_and_reaches_the_run(tmp_path: Path) -> None:
+    """flair's own train_custom arguments, each passed by name with flair's default, reach the plugins as they do in
+    flair's trainer; the signature shows them plus exactly the arguments listed in the README."""
+    flair_parameters = {
+        name: parameter.default
+        for name, parameter in inspect.signature(ModelTrainer.train_custom).parameters.items()
+        if name not in ("self", "base_path", "kwargs")
+    }
+    shown = inspect.signature(FabricTrainer.train_custom).parameters
+    assert set(shown) - {"self", "base_path", "kwargs"} == set(flair_parameters) | set(OURS)
+    assert {name: shown[name].default for name in OURS} == OURS
+    setups = []
+    for trainer_class, extra in ((ModelTrainer, {}), (FabricTrainer, {"accelerator": "cpu", "devices": 1})):
+        corpus = small_trec()
+        recorder = EventRecorder()
+        passed = {**flair_parameters, "max_epochs": 1, "create_file_logs": False, "plugins": [recorder]}
+        trainer_class(tiny_text_classifier(corpus), corpus).train_custom(tmp_path, **passed, **extra)
+        setups.append(next(arguments for event, arguments in recorder.events if event == "after_setup"))
+    flairs, ours = setups
+    assert {name: ours[name] for name in flair_parameters} == {name: flairs[name] for name in flair_parameters}
 
 
 def test_flair_device_follows_fabric(tmp_path: Path) -> None:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import flair
 import pytest
 import torch
 from flair.models import TextClassifier
-from flair.trainers.plugins import MetricHistoryPlugin
+from flair.trainers.plugins import MetricHistoryPlugin, TrainerPlugin
 
 from flair_fabric import FabricTrainer
 
@@ -134,3 +137,45 @@ def test_transformer_classifier_fine_tunes_on_two_ranks_in_bf16(tmp_path: Path) 
     sentence = flair.data.Sentence("What is the capital of France ?")
     loaded.predict(sentence)
     assert sentence.get_label("question_class").value in loaded.label_dictionary.get_items()
+
+
+class _OwnRandomStatePerRank(TrainerPlugin):
+    """Gives every rank its own random number generators before the run draws anything (as processes seeded by
+    their rank, or by the time they started, would have), and records the texts of every batch of every epoch."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.seen = out, {}
+
+    def attach_to(self, pluggable: Any) -> None:
+        super().attach_to(pluggable)
+        rank = pluggable.global_rank
+        torch.manual_seed(1000 + rank)
+        random.seed(1000 + rank)
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch: list, epoch: int, **kw: Any) -> None:
+        self.seen.setdefault(epoch, []).extend(sentence.to_original_text() for sentence in batch)
+
+    @TrainerPlugin.hook
+    def after_training(self, **kw: Any) -> None:
+        (self.out / f"seen-rank{self.trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+def test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch(tmp_path: Path) -> None:
+    corpus = small_trec(train_size=49)  # an uneven split: one rank has a point more
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path,
+        max_epochs=2,
+        mini_batch_size=4,
+        shuffle=True,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        plugins=[_OwnRandomStatePerRank(tmp_path)],
+    )
+    seen = [json.loads((tmp_path / f"seen-rank{rank}.json").read_text()) for rank in (0, 1)]
+    every_text = Counter(sentence.to_original_text() for sentence in corpus.train)
+    for epoch in ("1", "2"):
+        assert Counter(seen[0][epoch]) + Counter(seen[1][epoch]) == every_text, f"epoch {epoch}"
+    assert seen[0]["1"] != seen[0]["2"], "the order is shuffled anew each epoch"

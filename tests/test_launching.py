@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import flair
 import pytest
@@ -15,6 +16,7 @@ import torch
 from flair.data import Sentence
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric import launch as launch_module
@@ -42,6 +44,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
+def _run_together_on_a_free_port(commands_for: Any, attempts: int = 3) -> list[str]:
+    """:func:`_run_together` for processes that must agree on a port chosen beforehand: a port another program takes
+    between the choice and the bind is tried again with a new one (not a failure of the code under test)."""
+    for attempt in range(attempts):
+        processes = [
+            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for cmd, env in commands_for(_free_port())
+        ]
+        outputs = [process.communicate(timeout=420)[0] for process in processes]
+        if all(process.returncode == 0 for process in processes):
+            return outputs
+        if attempt + 1 < attempts and any(taken in output for output in outputs for taken in _PORT_TAKEN):
+            continue
+        failed = next(output for process, output in zip(processes, outputs, strict=True) if process.returncode)
+        raise AssertionError(failed[-6000:])
+    raise AssertionError("unreachable")
 
 
 def _script_env(**extra: str) -> dict[str, str]:
@@ -161,24 +184,26 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
     kwargs = {"max_epochs": 4, "mini_batch_size": 4, "devices": 1, "num_nodes": 2, "patience": 0}
     runs = [{"name": "nodes", "method": "train", "kwargs": {**kwargs, "anneal_with_restarts": True}}]
     config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "per_node_out": True, "runs": runs})
-    port = str(_free_port())
-    commands = [
-        (
-            [
-                TORCHRUN,
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node}",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                str(SCRIPTS / "ddp_runs.py"),
-                str(config),
-            ],
-            _script_env(),
-        )
-        for node in (0, 1)
-    ]
-    outputs = _run_together(commands)
+
+    def commands_for(port: int) -> list[tuple[list[str], dict[str, str]]]:
+        return [
+            (
+                [
+                    TORCHRUN,
+                    "--nnodes=2",
+                    "--nproc_per_node=1",
+                    f"--node_rank={node}",
+                    "--master_addr=127.0.0.1",
+                    f"--master_port={port}",
+                    str(SCRIPTS / "ddp_runs.py"),
+                    str(config),
+                ],
+                _script_env(),
+            )
+            for node in (0, 1)
+        ]
+
+    outputs = _run_together_on_a_free_port(commands_for)
 
     node0, node1 = tmp_path / "node0" / "nodes", tmp_path / "node1" / "nodes"
     assert {p.name for p in node0.iterdir()} >= {"training.log", "loss.tsv", "best-model.pt", "final-model.pt"}
@@ -214,16 +239,16 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NAME": "flair-fabric-test",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
     }
-    commands = [
-        (
-            [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)],
-            _script_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
-        )
-        for rank in (0, 1)
-    ]
-    _run_together(commands)
+    _run_together_on_a_free_port(
+        lambda port: [
+            (
+                [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)],
+                _script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+            )
+            for rank in (0, 1)
+        ]
+    )
     run_dir = tmp_path / "slurm"
     assert state_dict_difference(_final_weights(run_dir, 0), _final_weights(run_dir, 1)) == 0.0
     summaries = [json.loads((run_dir / f"summary-rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -335,3 +360,40 @@ def test_strategy_names_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None
     assert _config().strategy.start_method == "fork"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"relaunches the running script.*use strategy='ddp_notebook'"):
         _config(strategy="ddp")
+
+
+class _DeviceSeen(TrainerPlugin):
+    """Where a rank computes: flair.device and the device of the first batch's embeddings, on every rank."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch: list, batch_no: int, **kw: object) -> None:
+        if batch_no == 0:
+            seen = {"flair": str(flair.device), "parameter": str(next(self.model.parameters()).device)}
+            (self.out / f"device-rank{self.trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+def test_every_rank_computes_on_the_device_fabric_gives_it(tmp_path: Path) -> None:
+    """The caller's flair.device is not the ranks' device (on a GPU machine: cuda:0 for every rank); each rank sets
+    it from Fabric. Shown on CPU with a caller whose flair.device names a device nobody computes on."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    callers_device = flair.device
+    flair.device = torch.device("meta")
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path,
+            max_epochs=1,
+            mini_batch_size=4,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+            plugins=[_DeviceSeen(tmp_path)],
+        )
+    finally:
+        flair.device = callers_device
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"device-rank{rank}.json").read_text()) == {"flair": "cpu", "parameter": "cpu"}

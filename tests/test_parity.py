@@ -125,17 +125,38 @@ def test_saved_model_loads_with_flair(tmp_path: Path) -> None:
     assert loaded.model_card["training_parameters"]["devices"] == 1
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bf16_on_one_cpu(tmp_path: Path, precision: str) -> None:
+def _train_recording_decoder_dtypes(tmp_path: Path, **precision: Any) -> tuple[set[torch.dtype], dict]:
+    """One epoch on one CPU; the dtypes the decoder computed in during training, and the trained weights."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = FabricTrainer(model, corpus).train(
-        tmp_path, max_epochs=1, mini_batch_size=8, accelerator="cpu", devices=1, precision=precision
+    seen: set[torch.dtype] = set()
+    model.decoder.register_forward_hook(
+        lambda module, inputs, output: seen.add(output.dtype) if module.training else None
     )
-    assert state_dict_difference(before, model.state_dict()) > 0
-    assert 0.0 <= result["test_score"] <= 1.0
+    FabricTrainer(model, corpus).train(
+        tmp_path, max_epochs=1, mini_batch_size=8, accelerator="cpu", devices=1, **precision
+    )
     assert torch.isfinite(torch.cat([p.float().flatten() for p in model.parameters()])).all()
+    return seen, dict(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("precision", "computes_in", "weights_in"),
+    [
+        ({"precision": "bf16-mixed"}, torch.bfloat16, torch.float32),
+        ({"use_amp": True}, torch.bfloat16, torch.float32),  # flair's switch: bf16-mixed on CPU
+        ({"precision": "bf16-true"}, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_bf16_on_one_cpu_computes_in_bf16_and_changes_the_result(
+    tmp_path: Path, precision: dict[str, Any], computes_in: torch.dtype, weights_in: torch.dtype
+) -> None:
+    seen, weights = _train_recording_decoder_dtypes(tmp_path / "bf16", **precision)
+    assert seen == {computes_in}
+    assert {value.dtype for value in weights.values() if value.is_floating_point()} == {weights_in}
+    reference_seen, reference = _train_recording_decoder_dtypes(tmp_path / "fp32")
+    assert reference_seen == {torch.float32}
+    assert state_dict_difference(weights, reference) > 1e-4, "bf16 arithmetic must leave a trace in the weights"
 
 
 def test_model_files_get_the_same_permissions_as_flairs(tmp_path: Path) -> None:

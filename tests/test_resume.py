@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from flair.models import TextClassifier
+from flair.trainers.plugins import TrainerPlugin
 from lightning.fabric import Fabric
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
@@ -74,12 +75,37 @@ def test_resuming_on_one_device_gives_the_weights_of_an_uninterrupted_run(tmp_pa
     assert state_dict_difference(first.state_dict(), second.state_dict()) > 1e-3
 
 
+class _EpochStart(TrainerPlugin):
+    """On global rank 0, at the start of every epoch: the weights, the learning rate and the optimizer's momentum
+    buffers, saved to ``<out>/epoch-start.pt`` after training."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out, self.seen = Path(out), {}
+
+    @TrainerPlugin.hook
+    def before_training_epoch(self, epoch: int, **kw: Any) -> None:
+        optimizer = self.trainer.optimizer
+        self.seen[epoch] = {
+            "weights": {name: value.detach().clone() for name, value in self.model.state_dict().items()},
+            "lr": optimizer.param_groups[0]["lr"],
+            "momentum": [state["momentum_buffer"].clone() for state in optimizer.state.values()],
+        }
+
+    @TrainerPlugin.hook
+    def after_training(self, **kw: Any) -> None:
+        if self.trainer.is_global_zero:
+            torch.save(self.seen, self.out / "epoch-start.pt")
+
+
 @pytest.mark.multiprocess
 def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path: Path) -> None:
+    with_momentum = {**ONE_DEVICE, "momentum": 0.9}  # optimizer state that a resume must carry over
     model, corpus = _classifier()
-    FabricTrainer(model, corpus).train(tmp_path, max_epochs=2, **ONE_DEVICE)
+    FabricTrainer(model, corpus).train(tmp_path, max_epochs=2, **with_momentum)
+    first_run = torch.load(tmp_path / "checkpoint" / "state.ckpt")
     resumed, corpus = _classifier()
-    settings = {**ONE_DEVICE, "devices": 2, "strategy": "ddp_fork"}
+    settings = {**with_momentum, "devices": 2, "strategy": "ddp_fork", "plugins": [_EpochStart(tmp_path)]}
     FabricTrainer(resumed, corpus).train(tmp_path, max_epochs=3, resume_from="auto", **settings)
     log = (tmp_path / "training.log").read_text()
     assert "resuming a checkpoint of 1 process(es) on 2" in log and "EPOCH 3 done" in log
@@ -90,6 +116,13 @@ def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path: Path) -> None:
         "2",
         "3",
     ]
+    # model, optimizer and schedule continue where the one-process run stopped
+    start = torch.load(tmp_path / "epoch-start.pt")[3]
+    assert state_dict_difference(start["weights"], model.state_dict()) <= 1e-7
+    saved_momentum = [state["momentum_buffer"] for state in first_run["optimizer"]["state"].values()]
+    assert len(start["momentum"]) == len(saved_momentum) > 0
+    assert all(torch.equal(a, b) for a, b in zip(start["momentum"], saved_momentum, strict=True))
+    assert start["lr"] == first_run["optimizer"]["param_groups"][0]["lr"]
 
 
 def test_bad_resume_and_base_path_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections import Counter
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import flair
 import pytest
+import torch
 from flair.data import Label, Relation, Sentence
 from flair.datasets import FlairDatapointDataset
 from flair.models import TextClassifier
@@ -231,8 +233,11 @@ def test_training_evaluations_are_sharded_and_every_rank_takes_the_same_decision
     )
     assert rank0["result"]["test_score"] == rank1["result"]["test_score"] == single.main_score
     assert (run_dir / "test.tsv").read_bytes() == (tmp_path / "test.tsv").read_bytes()
-    # the last dev evaluation wrote dev.tsv once; the dev score history is what every rank saw
-    assert (run_dir / "dev.tsv").exists() and (run_dir / "train_sample.tsv").exists()
+    # the last dev evaluation wrote dev.tsv once, as flair's evaluate of the weights of that epoch writes it
+    best.load_state_dict(torch.load(run_dir / "weights-rank0.pt")["last_evaluated"])
+    best.evaluate(small_trec().dev, TREC_LABEL_TYPE, out_path=tmp_path / "dev.tsv", mini_batch_size=2)
+    assert (run_dir / "dev.tsv").read_bytes() == (tmp_path / "dev.tsv").read_bytes()
+    assert (run_dir / "train_sample.tsv").exists()
     assert [evaluation["scores"][0] for evaluation in rank0["evaluations"]] == rank0["result"]["dev_score_history"]
 
 
@@ -263,10 +268,12 @@ def test_public_evaluate_under_spawn_moves_ner_sentences_and_equals_flair(tmp_pa
 def test_public_evaluate_on_one_device_is_flairs_evaluate(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
+    untouched = copy.deepcopy(list(corpus.test))  # flair's reference evaluates data our code never saw
     sharded = flair_fabric.evaluate(model, corpus.test, TREC_LABEL_TYPE, accelerator="cpu", devices=1)
-    single = model.evaluate(corpus.test, TREC_LABEL_TYPE)
+    single = model.evaluate(untouched, TREC_LABEL_TYPE)
     assert sharded.scores == single.scores
     assert sharded.detailed_results == single.detailed_results
+    assert [s.get_label("predicted").value for s in corpus.test] == [s.get_label("predicted").value for s in untouched]
 
 
 def test_bad_arguments_are_refused_before_any_process_starts() -> None:

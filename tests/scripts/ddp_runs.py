@@ -52,6 +52,7 @@ class Traces(TrainerPlugin):
     @TrainerPlugin.hook
     def after_evaluation(self, current_model_is_best, validation_scores, **kw):
         self.evaluations.append({"best": current_model_is_best, "scores": [float(x) for x in validation_scores]})
+        self.last_evaluated = {name: value.detach().clone() for name, value in self.model.state_dict().items()}
 
     @TrainerPlugin.hook
     def after_training_epoch(self, **kw):
@@ -135,8 +136,8 @@ for run in CONFIG["runs"]:
     kwargs = dict(run["kwargs"])
     kwargs["plugins"] = [MetricHistoryPlugin(), traces]
     seen: dict = {}
-    if run.get("fail"):
-        kwargs["plugins"].append(FailAt(**run["fail"]))
+    for fail in run.get("fails", []):
+        kwargs["plugins"].append(FailAt(**fail))
     if run.get("listening"):
         kwargs["plugins"].append(ListeningSockets(OUT / run["name"]))
     if run.get("kill_at_epoch"):
@@ -148,7 +149,12 @@ for run in CONFIG["runs"]:
     rank = trainer.global_rank
     results_dir = OUT / "results" / run["name"] if CONFIG.get("per_node_out") else OUT / run["name"]
     results_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"initial": initial, "final": model.state_dict()}, results_dir / f"weights-rank{rank}.pt")
+    weights = {
+        "initial": initial,
+        "final": model.state_dict(),
+        "last_evaluated": getattr(traces, "last_evaluated", None),
+    }
+    torch.save(weights, results_dir / f"weights-rank{rank}.pt")
     summary = {
         "result": {k: (v if isinstance(v, (int, float)) else [float(x) for x in v]) for k, v in result.items()},
         "lr_trace": traces.learning_rates,

@@ -1,0 +1,343 @@
+"""The mutation check (``make mutation-check``): plant each deliberate bug below in a copy of the repository, one at a
+time, run only the tests that should catch it, and report caught or survived. Every bug must be caught.
+
+Each mutation names the claim it breaks. Add one for every distributed behaviour you add: a test earns its place by
+failing when the code is wrong. Results go to ``benchmarks/results/mutation_check.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A deliberate bug: ``edits`` (file, text, replacement; each text occurs exactly once) and the tests that must
+    catch it."""
+
+    name: str
+    claim: str
+    edits: list[tuple[str, str, str]]
+    tests: list[str] = field(default_factory=list)
+
+
+MUTATIONS = [
+    Mutation(
+        "own shuffle seed per rank",
+        "every data point once per epoch across ranks",
+        [
+            (
+                "flair_fabric/sampling.py",
+                "return int(fabric.broadcast(seed, src=0))",
+                "return int(torch.randint(0, 2**31 - 1, (1,)).item())",
+            )
+        ],
+        ["tests/test_ddp.py::test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch"],
+    ),
+    Mutation(
+        "train loss = mean of the ranks' means",
+        "sample-weighted global train loss",
+        [
+            (
+                "flair_fabric/trainer.py",
+                "loss_sum, data_points = self._lockstep.agree(loss.loss_sum, count)",
+                "loss_sum, data_points = self._lockstep.agree(loss.mean(), torch.ones((), device=fabric.device))",
+            )
+        ],
+        ["tests/test_every_model.py", "-k", "union and text_missing_labels"],
+    ),
+    Mutation(
+        "resume on another world size skips model and optimizer",
+        "model, optimizer and schedules continue",
+        [
+            (
+                "flair_fabric/resume.py",
+                '    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer}, weights_only=True)',
+                "    if progress.world_size == fabric.world_size:\n"
+                '        fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer},'
+                " weights_only=True)",
+            )
+        ],
+        ["tests/test_resume.py::test_a_checkpoint_of_one_process_resumes_on_two"],
+    ),
+    Mutation(
+        "flair.device never set from Fabric",
+        "each rank computes on its own device",
+        [
+            ("flair_fabric/trainer.py", "        flair.device = fabric.device\n", "        pass\n"),
+            ("flair_fabric/workers.py", "        flair.device = fabric.device\n", "        pass\n"),
+        ],
+        ["tests/test_launching.py::test_every_rank_computes_on_the_device_fabric_gives_it"],
+    ),
+    Mutation(
+        "Fabric always built with 32-true",
+        "bf16-mixed / use_amp mapping",
+        [("flair_fabric/launch.py", "precision=config.precision,", 'precision="32-true",')],
+        ["tests/test_parity.py", "-k", "bf16"],
+    ),
+    Mutation(
+        "both failure guards removed",
+        "no hang, no orphans when a rank dies",
+        [
+            (
+                "flair_fabric/failures.py",
+                "    launcher = fabric.strategy.launcher\n",
+                "    return\n    launcher = fabric.strategy.launcher\n",
+            ),
+            ("flair_fabric/failures.py", "    parent = os.getppid()\n", "    return\n    parent = os.getppid()\n"),
+        ],
+        ["tests/test_reliability.py", "-k", "rank0-raises-rank1-stopped or rank0-dies-rank1-stalls"],
+    ),
+    Mutation(
+        "loss not scaled by the world size",
+        "gradients equal one process on the union (fsdp too, clipping off)",
+        [
+            (
+                "flair_fabric/trainer.py",
+                "self._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)",
+                "self._backward(loss)",
+            )
+        ],
+        ["tests/test_every_model.py", "-k", "chunks and fsdp and text_missing_labels"],
+    ),
+    Mutation(
+        "a step that learns nothing does not take part",
+        "no rank stalls the others (relation extraction, entity linking)",
+        [
+            (
+                "flair_fabric/trainer.py",
+                "participation=Participation(self.model, stand_in) if fabric.world_size > 1 else None,",
+                "participation=None,",
+            )
+        ],
+        ["tests/test_every_model.py", "-k", "union and relation_extractor"],
+    ),
+    Mutation(
+        "ranks cut different numbers of chunks",
+        "every rank runs as many passes per step (fsdp collectives pair up)",
+        [("flair_fabric/participation.py", "    return chunks + [[] for _ in", "    return chunks or [[] for _ in")],
+        ["tests/test_every_model.py", "-k", "chunks and fsdp and span"],
+    ),
+    Mutation(
+        "the fsdp root reshards after forward",
+        "a step that learns nothing gathers the root's parameters as often as the others",
+        [
+            (
+                "flair_fabric/sharding.py",
+                'fully_shard(model, **{**options, "reshard_after_forward": False})',
+                "fully_shard(model, **options)",
+            )
+        ],
+        ["tests/test_every_model.py", "-k", "chunks and fsdp and relation_extractor"],
+    ),
+    Mutation(
+        "rank-0-only work waits on the short timeout",
+        "slow saves and rank-0 evaluation do not trip collective_timeout",
+        [("flair_fabric/stalls.py", "    if fabric.world_size == 1 or not", "    if True or not")],
+        ["tests/test_reliability.py::test_work_of_rank_zero_alone_does_not_trip_the_collective_timeout"],
+    ),
+    Mutation(
+        "a timed-out collective is not explained",
+        "the error says which rank, epoch, step and phase",
+        [("flair_fabric/stalls.py", "        if not is_timeout(error) or", "        if True or")],
+        [
+            "tests/test_reliability.py::test_a_stalled_rank_ends_the_job_after_the_collective_timeout_with_an_error_that_says_where"
+        ],
+    ),
+    Mutation(
+        "collective_timeout not given to the strategy",
+        "collective_timeout reaches the process group",
+        [
+            (
+                "flair_fabric/launch.py",
+                "    return FlairDDPStrategy(start_method=_START_METHOD[strategy], timeout=timeout)",
+                "    return FlairDDPStrategy(start_method=_START_METHOD[strategy])",
+            )
+        ],
+        ["tests/test_arguments.py", "-k", "collective_timeout_reaches"],
+    ),
+    Mutation(
+        "the caller's model stays in train mode",
+        "the model comes back from workers as flair leaves it",
+        [("flair_fabric/trainer.py", "        self.model.train(trained.training)", "        pass")],
+        ["tests/test_every_model.py", "-k", "union and text]"],
+    ),
+    Mutation(
+        "the caller's model gets no model card",
+        "the model comes back from workers as flair leaves it",
+        [("flair_fabric/trainer.py", "        self.model.model_card = trained.model_card\n", "")],
+        ["tests/test_every_model.py", "-k", "union and text]"],
+    ),
+    Mutation(
+        "a Ctrl-C to the caller alone is not passed on",
+        "an interrupt to a notebook kernel stops every worker",
+        [("flair_fabric/workers.py", "                os.kill(worker.pid, FORWARDED_SIGNAL)", "                pass")],
+        ["tests/test_notebooks.py", "-k", "kernel-mid-epoch-1"],
+    ),
+    Mutation(
+        "stopped workers are not reaped",
+        "no worker is left after two interrupts, not even a zombie",
+        [("flair_fabric/workers.py", "    deadline = time.monotonic() + grace_seconds\n", "    return 0\n")],
+        ["tests/test_notebooks.py", "-k", "kernel-mid-epoch-2"],
+    ),
+    Mutation(
+        "every rank prints Lightning's banner",
+        "one banner in a notebook",
+        [
+            (
+                "flair_fabric/environment.py",
+                '        return not message.startswith("Initializing',
+                '        return True or message.startswith("Initializing',
+            )
+        ],
+        ["tests/test_notebooks.py", "-k", "gets_the_model_back"],
+    ),
+    Mutation(
+        "ddp_spawn is not refused in a notebook",
+        "spawn in a notebook gets our error before anything is created",
+        [
+            (
+                "flair_fabric/launch.py",
+                '    if strategy.start_method == "spawn" and launched is None',
+                "    if False and launched is None",
+            )
+        ],
+        ["tests/test_notebooks.py", "-k", "gets_the_model_back"],
+    ),
+    Mutation(
+        "the rendezvous of a one-machine run listens on every interface",
+        "loopback only",
+        [
+            (
+                "flair_fabric/workers.py",
+                "    return (\n        isinstance(strategy, LAUNCHING_STRATEGIES)",
+                "    return False and (\n        isinstance(strategy, LAUNCHING_STRATEGIES)",
+            )
+        ],
+        ["tests/test_launching.py", "-k", "spawn_and_fork and fork"],
+    ),
+    Mutation(
+        "checkpoint files unpickled as they come",
+        "checkpoints load data, never code",
+        [
+            (
+                "flair_fabric/safe_loading.py",
+                'map_location="cpu", weights_only=True)',
+                'map_location="cpu", weights_only=False)',
+            )
+        ],
+        ["tests/test_resume.py", "-k", "tampered and ddp"],
+    ),
+    Mutation(
+        "a sharded checkpoint's metadata is not checked",
+        "checkpoints load data, never code (fsdp)",
+        [("flair_fabric/resume.py", "        check_distributed_checkpoint(state)", "        pass")],
+        ["tests/test_resume.py", "-k", "tampered and fsdp"],
+    ),
+    Mutation(
+        "checkpoints keep the umask's permissions",
+        "checkpoint files are private to the user",
+        [("flair_fabric/resume.py", "        _make_private(temporary)\n", "")],
+        ["tests/test_resume.py", "-k", "tampered and ddp"],
+    ),
+    Mutation(
+        "evaluation batches not dealt round robin",
+        "sharded evaluation predicts each point once, on every rank",
+        [("flair_fabric/evaluation.py", "if number % world_size == rank", "if rank == 0")],
+        ["tests/test_sharded_evaluation.py", "-k", "predicts_each_data_point_once"],
+    ),
+    Mutation(
+        "ranks' corpora and models not compared",
+        "ranks that would train different things are refused",
+        [
+            (
+                "flair_fabric/fingerprints.py",
+                "    if fabric.world_size == 1:\n        return\n    mine",
+                "    return\n    mine",
+            )
+        ],
+        ["tests/test_reliability.py", "-k", "different_things and labels"],
+    ),
+    Mutation(
+        "the longer shard's last point is not folded in",
+        "every point once, same number of steps on every rank",
+        [
+            (
+                "flair_fabric/sampling.py",
+                "        last = batches.pop()\n        batches[-1] = batches[-1] + last",
+                "        pass",
+            )
+        ],
+        ["tests/test_sampling.py"],
+    ),
+]
+
+
+def _copy_repository(target: Path) -> None:
+    ignored = shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", "runs"
+    )
+    shutil.copytree(REPO, target, ignore=ignored)
+
+
+def _apply(root: Path, mutation: Mutation) -> None:
+    for relative, text, replacement in mutation.edits:
+        path = root / relative
+        source = path.read_text()
+        if source.count(text) != 1:
+            raise SystemExit(f"mutation {mutation.name!r}: {text!r} occurs {source.count(text)} times in {relative}")
+        path.write_text(source.replace(text, replacement))
+
+
+def run(selected: list[str]) -> int:
+    """Run the mutations whose name contains one of ``selected`` (all if empty); 0 if every one was caught."""
+    rows = []
+    for mutation in MUTATIONS:
+        if selected and not any(word in mutation.name for word in selected):
+            continue
+        with tempfile.TemporaryDirectory(prefix="flair-fabric-mutation-") as folder:
+            root = Path(folder) / "repo"
+            _copy_repository(root)
+            _apply(root, mutation)
+            env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            started = time.monotonic()
+            command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=300"]
+            try:
+                completed = subprocess.run(
+                    [*command, *mutation.tests], cwd=root, env=env, capture_output=True, text=True, timeout=900
+                )
+                caught = completed.returncode != 0
+                tail = (completed.stdout + completed.stderr).strip().splitlines()[-1:]
+            except subprocess.TimeoutExpired:
+                caught, tail = True, ["the tests did not end within 900 s (a hang counts as caught)"]
+        seconds = time.monotonic() - started
+        rows.append({"mutation": mutation.name, "claim": mutation.claim, "caught": caught, "seconds": round(seconds)})
+        print(f"{'caught  ' if caught else 'SURVIVED'} {seconds:5.0f} s  {mutation.name}: {' '.join(tail)}", flush=True)
+    caught = sum(row["caught"] for row in rows)
+    print(f"\n{caught} of {len(rows)} deliberate bugs caught")
+    if not selected:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "mutation_check.json").write_text(json.dumps(rows, indent=2) + "\n")
+        table = ["| deliberate bug | claim it breaks | caught | seconds |", "|---|---|---|---|"]
+        table += [
+            f"| {r['mutation']} | {r['claim']} | {'yes' if r['caught'] else '**no**'} | {r['seconds']} |" for r in rows
+        ]
+        (RESULTS / "mutation_check.md").write_text(
+            f"# Mutation check: {caught} of {len(rows)} deliberate bugs caught\n\n" + "\n".join(table) + "\n"
+        )
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))
