@@ -35,7 +35,7 @@ from flair.trainers.plugins import TrainerPlugin
 import flair_fabric
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE
-from flair_fabric.sharding import held_bytes
+from flair_fabric.distributed.sharded_state import held_bytes
 
 VARIANTS = ("auto", "true", "false")
 

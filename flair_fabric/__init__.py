@@ -1,10 +1,10 @@
 """flair-fabric: train flair models on many devices and machines with Lightning Fabric."""
 
-from flair_fabric.lightning_loggers import LightningLoggerPlugin
-from flair_fabric.plugin_api import GlobalZeroPlugin, rank_zero_only
-from flair_fabric.scoring import evaluate
-from flair_fabric.sharding import FlairFSDPStrategy
-from flair_fabric.strategies import FlairDDPStrategy
+from flair_fabric.evaluation.api import evaluate
+from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
+from flair_fabric.plugins.rank_zero import GlobalZeroPlugin, rank_zero_only
+from flair_fabric.strategies.ddp import FlairDDPStrategy
+from flair_fabric.strategies.fsdp import FlairFSDPStrategy
 from flair_fabric.trainer import FabricTrainer
 
 __all__ = [

@@ -7,15 +7,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import flair
 import pytest
 from flair.data import Corpus
 from flair.datasets import FlairDatapointDataset
 from flair.trainers import ModelTrainer
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
-from flair_fabric import launch as launch_module
-from flair_fabric.launch import make_launch_config, resolve_devices
+from flair_fabric.launch import config as launch_module
+from flair_fabric.launch.config import make_launch_config, resolve_devices
+from flair_fabric.strategies import deepspeed as deepspeed_module
 
 from .support import EventRecorder, small_trec, tiny_text_classifier
 
@@ -29,7 +29,8 @@ def trainer() -> FabricTrainer:
 BAD_ARGUMENTS = [
     ({"strategy": "dpp"}, r"strategy='dpp' is not supported; choose one of auto, ddp"),
     ({"strategy": object()}, r"strategy=.* is not supported"),
-    ({"precision": "16"}, r"precision='16' is not supported; choose one of 32-true, bf16-mixed"),
+    ({"precision": "17"}, r"precision='17' is not supported here: Precision '17' is invalid"),
+    ({"precision": "16"}, r"precision='16' needs a CUDA GPU; on cpu use precision='bf16-mixed'"),
     ({"precision": "16-mixed"}, r"precision='16-mixed' needs a CUDA GPU; on cpu use precision='bf16-mixed'"),
     ({"precision": "bf16-mixed", "use_amp": True}, r"use_amp=True and precision='bf16-mixed' were both given"),
     ({"devices": 0}, r"devices=0 is not valid: pass a positive number"),
@@ -114,7 +115,7 @@ def test_ddp_strategy_options_are_checked() -> None:
 def test_deepspeed_without_its_package_or_without_a_gpu(
     trainer: FabricTrainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: bool, message: str
 ) -> None:
-    monkeypatch.setattr(launch_module, "deepspeed_is_installed", lambda: installed)
+    monkeypatch.setattr(deepspeed_module, "deepspeed_is_installed", lambda: installed)
     for strategy in ("deepspeed", "deepspeed_stage_2"):
         with pytest.raises(ValueError, match=message):
             trainer.train(tmp_path, max_epochs=1, accelerator="cpu", devices=2, strategy=strategy)
@@ -179,13 +180,15 @@ def test_every_flair_argument_is_accepted_and_reaches_the_run(tmp_path: Path) ->
     assert {name: ours[name] for name in flair_parameters} == {name: flairs[name] for name in flair_parameters}
 
 
-def test_flair_device_follows_fabric(tmp_path: Path) -> None:
-    corpus = small_trec()
-    model = tiny_text_classifier(corpus)
-    trainer = FabricTrainer(model, corpus)
-    trainer.train(tmp_path, max_epochs=1, accelerator="cpu", devices=1)
-    assert trainer.fabric is not None and flair.device == trainer.fabric.device
-    assert (trainer.world_size, trainer.global_rank, trainer.is_global_zero) == (1, 0, True)
+@pytest.mark.parametrize(
+    ("precision", "resolved"),
+    [("bf16", "bf16-mixed"), (32, "32-true"), ("32", "32-true"), ("bf16-true", "bf16-true"), (64, "64-true")],
+)
+def test_fabrics_precision_aliases_are_accepted(precision: Any, resolved: str) -> None:
+    config = make_launch_config(
+        accelerator="cpu", devices=1, num_nodes=1, strategy="auto", precision=precision, use_amp=False
+    )
+    assert config.precision == resolved
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from flair.models import TextClassifier
 
-from flair_fabric.checkpoint import save_model_atomically
+from flair_fabric.state.model_files import save_model_atomically
 
 from .support import small_trec, state_dict_difference, tiny_text_classifier
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flair_fabric.failures import graceful_interrupts, stop_started_processes
+from flair_fabric.launch.failures import graceful_interrupts, stop_started_processes
 
 ORPHAN = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", '''
 import time
-from flair_fabric.failures import exit_with_parent
+from flair_fabric.launch.failures import exit_with_parent
 exit_with_parent(poll_seconds=0.1)
 print("watching", flush=True)
 time.sleep(60)

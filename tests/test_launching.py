@@ -19,8 +19,8 @@ from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
-from flair_fabric import launch as launch_module
-from flair_fabric.launch import make_launch_config
+from flair_fabric.launch import config as launch_module
+from flair_fabric.launch.config import make_launch_config
 
 from .plugin_support import ListeningSockets
 from .support import (

@@ -20,8 +20,8 @@ from lightning.fabric.loggers import CSVLogger
 
 from flair_fabric import FabricTrainer, GlobalZeroPlugin, LightningLoggerPlugin, rank_zero_only
 from flair_fabric.datasets import TREC_LABEL_TYPE
-from flair_fabric.participation import parameters_without_gradient
-from flair_fabric.progress import show_progress_bar
+from flair_fabric.strategies.probing import parameters_without_gradient
+from flair_fabric.training.progress_bar import show_progress_bar
 
 from .plugin_support import HookCounter, StepRecorder, StopOnOneRank
 from .support import (

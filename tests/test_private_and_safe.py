@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flair_fabric.rendezvous import loopback_rendezvous
-from flair_fabric.safe_loading import UnsafeFile, as_plain_data, checked_load, save_private
+from flair_fabric.launch.rendezvous import loopback_rendezvous
+from flair_fabric.state.safe_loading import UnsafeFile, as_plain_data, checked_load, save_private
 
 
 class _CreatesAFile:

@@ -15,7 +15,13 @@ from flair.trainers.plugins import TrainerPlugin
 from lightning.fabric import Fabric
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
-from flair_fabric.resume import Progress, checkpoint_folder, find_checkpoint, read_progress, save_training_state
+from flair_fabric.state.progress import RunProgress
+from flair_fabric.state.training_state import (
+    checkpoint_folder,
+    find_checkpoint,
+    read_progress,
+    save_training_state,
+)
 
 from .support import small_trec, state_dict_difference, tiny_text_classifier
 
@@ -52,11 +58,11 @@ def test_a_crash_while_saving_a_checkpoint_leaves_the_previous_one(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fabric = Fabric(accelerator="cpu", devices=1)
     folder = checkpoint_folder(tmp_path)
-    progress = Progress(1, 6, 0.5, 0, 1, {})
+    progress = RunProgress(1, 6, 0.5, 0, 1, {})
     save_training_state(fabric, folder, model, optimizer, [], progress)
     monkeypatch.setattr(fabric, "save", _fabric_save_crashing)
     with pytest.raises(_CrashDuringWrite):
-        save_training_state(fabric, folder, model, optimizer, [], Progress(2, 12, 0.6, 0, 1, {}))
+        save_training_state(fabric, folder, model, optimizer, [], RunProgress(2, 12, 0.6, 0, 1, {}))
     assert find_checkpoint("auto", tmp_path) == folder and read_progress(folder).epoch == 1
     assert torch.load(folder / "state.ckpt")["model"].keys() == model.state_dict().keys()
     # a crash between the two renames of a save: the previous checkpoint is found under its old name

@@ -9,8 +9,8 @@ import pytest
 import torch
 from flair.samplers import FlairSampler
 
-from flair_fabric.participation import chunks_for_every_rank
-from flair_fabric.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
+from flair_fabric.training.participation import chunks_for_every_rank
+from flair_fabric.training.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
 
 
 def _all_batches(order: list[int], world_size: int, batch_size: int) -> list[list[list[int]]]:

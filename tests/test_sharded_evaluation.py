@@ -20,12 +20,12 @@ from flair.training_utils import Result
 from lightning.fabric import Fabric
 
 import flair_fabric
-from flair_fabric import FabricTrainer
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE
-from flair_fabric.evaluation import batches_of_rank, can_shard, evaluate_across_ranks
-from flair_fabric.launch import build_fabric, make_launch_config
-from flair_fabric.predictions import UnsupportedPrediction, record_labels, restore_labels
-from flair_fabric.workers import run_on_every_rank
+from flair_fabric.evaluation.predictions import UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.evaluation.sharded import batches_of_rank, can_shard, evaluate_across_ranks
+from flair_fabric.launch.config import build_fabric, make_launch_config
+from flair_fabric.launch.workers import run_on_every_rank
+from flair_fabric.training.setup import sample_on_global_zero
 
 from .support import (
     ANNEALED,
@@ -170,9 +170,7 @@ def _ranks_disagree(fabric: Fabric, job: tuple[Path, Case]) -> dict:
     random.seed(1000 + fabric.global_rank)
     flair_sample = ModelTrainer(case.model, corpus)._sample_train_split(0.25).indices
     random.seed(1000 + fabric.global_rank)
-    trainer = FabricTrainer(case.model, corpus)
-    trainer.fabric = fabric
-    fabric_sample = trainer._sample_train_split(0.25).indices
+    fabric_sample = sample_on_global_zero(fabric, ModelTrainer(case.model, corpus)._sample_train_split(0.25)).indices
     (out / f"samples-rank{fabric.global_rank}.json").write_text(json.dumps([flair_sample, fabric_sample]))
 
     data = case.data

@@ -12,8 +12,8 @@ import torch
 from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
-from flair_fabric.sharding import shard_transformer_layers, transformer_layer_classes
-from flair_fabric.transport import copy_model
+from flair_fabric.state.model_state import copy_model
+from flair_fabric.strategies.fsdp import shard_transformer_layers, transformer_layer_classes
 
 from .support import (
     make_tiny_bert,

@@ -1,11 +1,16 @@
-"""Run one function on every rank through Fabric's launcher and hand global rank 0's result back to the caller.
+"""The one launch path: run a function on every rank through Fabric's launcher; the caller gets rank 0's result.
+
+Used by training and by ``flair_fabric.evaluate`` alike. On every rank it sets ``flair.device`` from Fabric (the
+local rank's device), keeps the ``flair`` logger quiet on all ranks but global rank 0, and makes a copy of the
+script that rank 0 relaunched exit when rank 0 is gone; when this process starts every other one, they meet at a
+store it hosts on loopback (:mod:`flair_fabric.launch.rendezvous`), and copies it relaunched are killed if it raises.
 
 With the script relaunch (``strategy="ddp"``) or under torchrun/SLURM the caller is itself a rank, so the function
 simply runs in it. Spawned and forked workers (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) are separate
-processes: spawned ones receive the job through :mod:`flair_fabric.transport` (flair models by their flair state),
-forked ones inherit it, and rank 0's result comes back through a temporary file. (Not through Fabric's return
-queue: the launcher joins the workers before it reads the queue, so a result larger than a pipe buffer would block
-rank 0 forever.)
+processes: spawned ones receive the job through :mod:`~flair_fabric.launch.transport` (flair models by their flair
+state), forked ones inherit it, and rank 0's result comes back as plain data through a private temporary file. (Not
+through Fabric's return queue: the launcher joins the workers before it reads the queue, so a result larger than a
+pipe buffer would block rank 0 forever.)
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import multiprocessing
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -26,19 +31,19 @@ import flair
 import torch
 from lightning.fabric import Fabric
 
-from flair_fabric import transport
-from flair_fabric.environment import environment_restored, external_launch
-from flair_fabric.failures import (
+from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.launch import transport
+from flair_fabric.launch.environment import environment_restored, external_launch
+from flair_fabric.launch.failures import (
     FORWARDED_SIGNAL,
     exit_with_parent,
     forget_inherited_interrupts,
     graceful_interrupts,
     stop_started_processes,
 )
-from flair_fabric.launch import LAUNCHING_STRATEGIES
-from flair_fabric.rendezvous import loopback_interface_only, loopback_rendezvous
-from flair_fabric.safe_loading import load_data, save_private
-from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous
+from flair_fabric.state.safe_loading import load_data, save_private
+from flair_fabric.strategies import LAUNCHING_STRATEGIES
 
 log = logging.getLogger("flair")
 
@@ -65,7 +70,7 @@ def starts_every_process_here(fabric: Fabric) -> bool:
 
 
 def _rendezvous(fabric: Fabric, timeout: timedelta) -> contextlib.AbstractContextManager[Any]:
-    """Where the processes of a one-machine run meet: on loopback (see :mod:`flair_fabric.rendezvous`)."""
+    """Where the processes of a one-machine run meet: on loopback (see :mod:`flair_fabric.launch.rendezvous`)."""
     if starts_every_process_here(fabric):
         return loopback_rendezvous(timeout, keep=not starts_workers(fabric))
     launched = external_launch()
@@ -87,7 +92,7 @@ def run_on_every_rank(
     """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers.
 
     The one launch path of flair-fabric. When this process starts every other one, they meet at a store it hosts on
-    loopback (:mod:`flair_fabric.rendezvous`). Relaunched copies of the script are killed when this rank raises.
+    loopback (:mod:`flair_fabric.launch.rendezvous`). Relaunched copies of the script are killed when this rank raises.
     With workers, a Ctrl-C (or SIGTERM) that reaches this process is passed on to them (they stop together at their
     next agreement point and save, and this process waits for them); a second one ends them at once, reaps them and
     raises ``KeyboardInterrupt``. Workers never outlive this call. ``timeout``: of the rendezvous.
@@ -97,7 +102,7 @@ def run_on_every_rank(
     with _rendezvous(fabric, timeout):
         if not starts_workers(fabric):
             try:
-                return fabric.launch(lambda rank_fabric: function(rank_fabric, job))
+                return fabric.launch(lambda rank_fabric: _on_rank(rank_fabric, function, job))
             except BaseException:
                 stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
                 raise
@@ -134,6 +139,27 @@ def _run_in_workers(
         return cast(Result, load_data(handoff, result_types))
 
 
+def _on_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job) -> Result:
+    """Every rank: its device, its guard, its logging; then the function."""
+    flair.device = fabric.device
+    relaunched = "LOCAL_RANK" in os.environ and external_launch() is None and fabric.local_rank > 0
+    if relaunched or multiprocessing.parent_process() is not None:
+        exit_with_parent()  # a copy of the script, or a worker, must not outlive the process that started it
+    with log_on_global_zero_only(fabric):
+        return function(fabric, job)
+
+
+@contextlib.contextmanager
+def log_on_global_zero_only(fabric: Fabric) -> Iterator[None]:
+    """Silence the ``flair`` logger on every rank but global rank 0 for the duration of a run."""
+    was_disabled = log.disabled
+    log.disabled = was_disabled or not fabric.is_global_zero
+    try:
+        yield
+    finally:
+        log.disabled = was_disabled
+
+
 def _stop_and_reap(workers: set[multiprocessing.process.BaseProcess], grace_seconds: float = 2.0) -> int:
     """Kill the workers still running (after a short grace period) and collect every exit status, so that no
     ``<defunct>`` process is left behind. Returns how many had to be killed."""
@@ -155,12 +181,11 @@ def _run_in_worker(fabric: Fabric, function: Callable[[Fabric, Any], Any], job: 
     Signals are held from the start: a Ctrl-C during set-up stops every rank at the first agreement point."""
     forget_inherited_interrupts()
     with graceful_interrupts(lambda signal_name: None):
-        flair.device = fabric.device
-        exit_with_parent()  # a worker must not outlive the process that started it
+        flair.device = fabric.device  # before the job is rebuilt: flair models move to flair.device when made
         if isinstance(job, bytes):
             cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights
                 job = transport.loads(job)
-        result = function(fabric, job)
+        result = _on_rank(fabric, function, job)
         if fabric.is_global_zero:
             save_private(result, handoff)

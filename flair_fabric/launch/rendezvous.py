@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-from flair_fabric.environment import environment_restored
+from flair_fabric.launch.environment import environment_restored
 
 LOOPBACK = "127.0.0.1"
 _VARIABLES = (

@@ -18,7 +18,7 @@ import torch
 from flair.trainers.plugins import TrainingInterrupt
 from lightning.fabric import Fabric
 
-from flair_fabric.metrics import accumulator_dtype
+from flair_fabric.training.loss import accumulator_dtype
 
 # the events whose hooks may stop training inside the epoch loop; their stops wait for the next agreement
 DEFERRED_EVENTS = frozenset(

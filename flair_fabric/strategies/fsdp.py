@@ -20,25 +20,32 @@ from typing import Any, Generic, TypeVar, cast
 
 import flair
 import torch
+from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
-from flair_fabric.strategies import START_METHODS, StartMethod
-from flair_fabric.transport import copy_model
+from flair_fabric.distributed.sharded_state import held_bytes
+from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.state.model_state import copy_model
+from flair_fabric.strategies.base import (
+    BeforeWrapping,
+    MakeOptimizer,
+    Prepared,
+    StartMethod,
+    StartsProcesses,
+    TrainingStrategy,
+)
 
 log = logging.getLogger("flair")
 
@@ -61,7 +68,7 @@ def shard_transformer_layers(model: Module) -> ShardPolicy:
     return lambda module: type(module).__name__ in layers
 
 
-class FlairFSDPStrategy(ModelParallelStrategy):
+class FlairFSDPStrategy(StartsProcesses, ModelParallelStrategy):
     """Fully sharded data parallel training (ZeRO-3 style) of a flair model; ``strategy="fsdp"`` uses the defaults.
 
     Args:
@@ -79,8 +86,6 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default the one for the device.
     """
 
-    strategy_name = "flair_fsdp"
-
     def __init__(
         self,
         *,
@@ -92,11 +97,7 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         timeout: timedelta | None = DEFAULT_COLLECTIVE_TIMEOUT,
         process_group_backend: str | None = None,
     ) -> None:
-        if start_method not in START_METHODS:
-            raise ValueError(
-                f"FlairFSDPStrategy(start_method={start_method!r}) is not valid: choose one of"
-                f" {', '.join(START_METHODS)}."
-            )
+        self.checked_start_method("FlairFSDPStrategy", start_method)
         if policy is not None and not callable(policy) and not isinstance(policy, set):
             raise ValueError(
                 f"FlairFSDPStrategy(policy={policy!r}) is not valid: pass a set of module classes or a function"
@@ -119,11 +120,6 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.mixed_precision = mixed_precision
         self.start_method: StartMethod = start_method
-
-    @property
-    def starts_workers_in_train(self) -> bool:
-        """Whether ``train`` itself starts the worker processes (spawn, fork) rather than relaunching the script."""
-        return self.start_method != "popen"
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -167,49 +163,6 @@ class FlairFSDPStrategy(ModelParallelStrategy):
         register_fsdp_forward_method(model, "forward_loss")
         log.info(f"FSDP: {len(units)} shard unit(s) plus the root, over {device_mesh.size()} process(es)")
         return model
-
-
-def is_sharded(model: Module) -> bool:
-    """Whether ``model`` has been sharded with ``fully_shard``."""
-    return isinstance(model, FSDPModule)
-
-
-def full_state_dict(model: Module) -> dict[str, torch.Tensor]:
-    """The whole, plain state of a sharded ``model`` on global rank 0, on the CPU (``{}`` on the other ranks).
-
-    A collective: every rank must call it.
-    """
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return cast(dict[str, torch.Tensor], state)
-
-
-def load_full_state_dict(model: Module, state: dict[str, torch.Tensor]) -> None:
-    """Load global rank 0's whole ``state`` (the other ranks pass ``{}``) into the shards of ``model``.
-
-    A collective: every rank must call it.
-    """
-    set_model_state_dict(
-        model, cast(dict[str, Any], state), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    )
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of ``tensor`` this rank holds: the local shard of a ``DTensor``, else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A ``DTensor`` assembled on every rank (a collective), any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def held_bytes(model: Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Bytes of parameters and optimizer state this rank holds (shards count with their local size)."""
-    tensors = [local_tensor(parameter) for parameter in model.parameters()]
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(local_tensor(value) for value in state.values() if isinstance(value, torch.Tensor))
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 ModelT = TypeVar("ModelT", bound=flair.nn.Model)
@@ -282,3 +235,65 @@ class ShardedCopy(Generic[ModelT]):
         """Give the caller's model the whole trained weights on every rank and return it. A collective."""
         self._fill(self._whole_weights())
         return self.caller_model
+
+
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
+def check_fsdp_launch(strategy: FlairFSDPStrategy, accelerator: str, precision: str) -> None:
+    """The precisions and options FSDP supports here."""
+    if precision not in FSDP_PRECISIONS:
+        raise ValueError(
+            f"strategy='fsdp' does not support precision={precision!r}: choose one of {', '.join(FSDP_PRECISIONS)}"
+            " (for fp16 mixed precision pass FlairFSDPStrategy(mixed_precision=MixedPrecisionPolicy(...)))."
+        )
+    if strategy.cpu_offload and accelerator != "cuda":
+        raise ValueError(
+            f"FlairFSDPStrategy(cpu_offload=True) moves shards from the GPU to the CPU, but the accelerator is"
+            f" {accelerator!r}: leave cpu_offload=False."
+        )
+
+
+class Sharded(TrainingStrategy):
+    """FSDP: a copy of the caller's model is sharded and trained; the caller's model evaluates with the whole current
+    weights and gets the trained ones at the end (see :class:`ShardedCopy`)."""
+
+    def __init__(self) -> None:
+        self.copy: ShardedCopy[flair.nn.Model] | None = None
+
+    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
+        if reduces_vocabulary:
+            raise ValueError(
+                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
+                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
+                " leave the vocabulary as it is."
+            )
+
+    def set_up(
+        self,
+        fabric: Fabric,
+        model: flair.nn.Model,
+        make_optimizer: MakeOptimizer,
+        *,
+        probe_batch: list,
+        before_wrapping: BeforeWrapping,
+        max_grad_norm: float | None,
+    ) -> Prepared:
+        self.copy = ShardedCopy(model)
+        working = self.copy.working_model
+        module = fabric.setup_module(working)
+        module.mark_forward_method("forward_loss")
+        optimizer = cast(torch.optim.Optimizer, fabric.setup_optimizers(make_optimizer(working)))  # over the shards
+        log.info(f"FSDP: this rank holds {held_bytes(working) / 2**20:.2f} MiB of parameters")
+        return Prepared(module, optimizer, working)
+
+    def model_for_inference(self, model: flair.nn.Model) -> contextlib.AbstractContextManager[flair.nn.Model]:
+        assert self.copy is not None
+        return self.copy.gathered()
+
+    def caller_model(self, model: flair.nn.Model) -> flair.nn.Model:
+        return self.copy.caller_model if self.copy is not None else model
+
+    def hand_back(self, model: flair.nn.Model) -> flair.nn.Model:
+        assert self.copy is not None
+        return self.copy.hand_back()

@@ -20,9 +20,8 @@ import logging
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, cast
 
 import flair
@@ -30,27 +29,16 @@ import numpy as np
 import torch
 from lightning.fabric import Fabric
 
-from flair_fabric.collectives import gather_to_global_zero
-from flair_fabric.fingerprints import differences, model_fingerprint
-from flair_fabric.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load
-from flair_fabric.stalls import wait_for_global_zero
+from flair_fabric.distributed.collectives import gather_to_global_zero
+from flair_fabric.distributed.fingerprints import differences, model_fingerprint
+from flair_fabric.distributed.stalls import wait_for_global_zero
+from flair_fabric.state.progress import RunProgress
+from flair_fabric.state.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load
 
 log = logging.getLogger("flair")
 
 FOLDER = "checkpoint"
 PROGRESS = "progress.json"
-
-
-@dataclass
-class Progress:
-    """Where a run stands after a completed epoch."""
-
-    epoch: int
-    batch_count: int
-    best_epoch_score: float
-    seed: int
-    world_size: int
-    model_fingerprint: dict[str, str]
 
 
 def checkpoint_folder(base_path: str | Path) -> Path:
@@ -88,10 +76,16 @@ def find_checkpoint(resume_from: str | Path | None, base_path: str | Path) -> Pa
 
 
 def checkpoint_to_resume(
-    model: flair.nn.Model, args: SimpleNamespace, checkpoint_every_n_epochs: int, resume_from: str | Path | None
-) -> Path | None:
-    """Check the checkpoint arguments and the checkpoint ``model`` resumes from (before any process starts); set
-    flair's own ``epoch`` argument (``args.epoch``) from it. Returns the checkpoint folder, if there is one."""
+    model: flair.nn.Model,
+    base_path: Path,
+    epoch: int,
+    checkpoint_every_n_epochs: int,
+    resume_from: str | Path | None,
+) -> tuple[Path | None, int]:
+    """Check the checkpoint arguments and the checkpoint ``model`` resumes from, before any process starts.
+
+    Returns the checkpoint folder (``None`` for a fresh start) and the number of epochs the run starts after: the
+    checkpoint's, or flair's own ``epoch`` argument."""
     if isinstance(checkpoint_every_n_epochs, bool) or not isinstance(checkpoint_every_n_epochs, int):
         raise ValueError(
             f"checkpoint_every_n_epochs={checkpoint_every_n_epochs!r} is not valid: pass a number of epochs"
@@ -99,11 +93,11 @@ def checkpoint_to_resume(
         )
     if checkpoint_every_n_epochs < 0:
         raise ValueError(f"checkpoint_every_n_epochs={checkpoint_every_n_epochs} is not valid: pass 0 or more.")
-    folder = find_checkpoint(resume_from, args.base_path)
+    folder = find_checkpoint(resume_from, base_path)
     if folder is None:
         if resume_from == "auto":
-            log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(args.base_path)}, starting afresh")
-        return None
+            log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(base_path)}, starting afresh")
+        return None, epoch
     try:
         progress = check_checkpoint_folder(folder)
     except UnsafeFile as error:
@@ -117,24 +111,23 @@ def checkpoint_to_resume(
             f"resume_from={str(resume_from)!r}: the checkpoint in {folder} was written for another model"
             f" (differs in: {', '.join(differing)}): resume with the model the checkpoint was trained from."
         )
-    if args.epoch not in (0, progress.epoch):
+    if epoch not in (0, progress.epoch):
         raise ValueError(
-            f"epoch={args.epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
+            f"epoch={epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
             " both given: leave epoch out when resuming."
         )
-    args.epoch = progress.epoch  # flair's own argument for continuing a run
-    return folder
+    return folder, progress.epoch
 
 
-def read_progress(folder: Path) -> Progress:
+def read_progress(folder: Path) -> RunProgress:
     """The progress record of a checkpoint folder (JSON)."""
     try:
-        return Progress(**json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
+        return RunProgress(**json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
     except (ValueError, TypeError, UnicodeDecodeError) as error:
         raise UnsafeFile(f"{folder / PROGRESS} is not a progress record flair-fabric wrote ({error})") from None
 
 
-def check_checkpoint_folder(folder: Path) -> Progress:
+def check_checkpoint_folder(folder: Path) -> RunProgress:
     """Read every file of a checkpoint as plain data, before anything uses it; return its progress record.
 
     A file that holds code or unexpected objects raises :class:`~flair_fabric.safe_loading.UnsafeFile`, and
@@ -195,7 +188,7 @@ def _schedulers(plugins: list[Any]) -> dict[str, Any]:
 
 
 def save_training_state(
-    fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any], progress: Progress
+    fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any], progress: RunProgress
 ) -> None:
     """Write the complete training state to ``folder``, replacing what was there only once it is complete.
 
@@ -239,7 +232,7 @@ def _replace_folder(new: Path, folder: Path) -> None:
 
 def load_training_state(
     fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any]
-) -> tuple[Progress, dict[str, Any] | None]:
+) -> tuple[RunProgress, dict[str, Any] | None]:
     """Load model, optimizer, schedulers and scaler from ``folder``; return the progress and this rank's random
     number generator state (``None`` if the checkpoint was written with another number of processes).
 

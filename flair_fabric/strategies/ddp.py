@@ -1,4 +1,4 @@
-"""Fabric strategies that know about flair models.
+"""Data parallel training (DDP, and one device): :class:`FlairDDPStrategy` and its part in the loop.
 
 flair models often hold parameters that never receive a gradient (the pooler of a transformer, a word-embedding
 table behind a frozen layer, ...). DDP with ``find_unused_parameters=False`` then fails with "Expected to have
@@ -19,17 +19,23 @@ from lightning.fabric.strategies import DDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from flair_fabric.participation import parameters_without_gradient
-from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.strategies.base import (
+    BeforeWrapping,
+    MakeOptimizer,
+    Prepared,
+    StartMethod,
+    StartsProcesses,
+    TrainingStrategy,
+)
+from flair_fabric.strategies.probing import parameters_without_gradient
 
 log = logging.getLogger("flair")
 
 FindUnused = bool | Literal["auto"]
-StartMethod = Literal["popen", "spawn", "fork"]
-START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork")
 
 
-class FlairDDPStrategy(DDPStrategy):
+class FlairDDPStrategy(StartsProcesses, DDPStrategy):
     """Fabric's :class:`~lightning.fabric.strategies.DDPStrategy` with ``find_unused_parameters="auto"``.
 
     Args:
@@ -41,16 +47,10 @@ class FlairDDPStrategy(DDPStrategy):
             ``process_group_backend``; DDP options such as ``static_graph``).
     """
 
-    strategy_name = "flair_ddp"
-
     def __init__(
         self, *, find_unused_parameters: FindUnused = "auto", start_method: StartMethod = "popen", **kwargs: Any
     ) -> None:
-        if start_method not in START_METHODS:
-            raise ValueError(
-                f"FlairDDPStrategy(start_method={start_method!r}) is not valid:"
-                f" choose one of {', '.join(START_METHODS)}."
-            )
+        self.checked_start_method("FlairDDPStrategy", start_method)
         if find_unused_parameters not in (True, False, "auto"):
             raise ValueError(
                 f"find_unused_parameters={find_unused_parameters!r} is not valid: pass True, False or 'auto'."
@@ -59,11 +59,6 @@ class FlairDDPStrategy(DDPStrategy):
         super().__init__(start_method=start_method, **kwargs)
         self.find_unused_parameters: FindUnused = find_unused_parameters
         self.start_method: StartMethod = start_method
-
-    @property
-    def starts_workers_in_train(self) -> bool:
-        """Whether ``train`` itself starts the worker processes (spawn, fork) rather than relaunching the script."""
-        return self.start_method != "popen"
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP once ``find_unused_parameters`` is decided."""
@@ -93,3 +88,25 @@ def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch
         log.info(f"DDP: {len(unused)} parameter(s) get no gradient ({shown}): find_unused_parameters=True")
     else:
         log.info("DDP: every parameter gets a gradient: find_unused_parameters=False")
+
+
+class DataParallel(TrainingStrategy):
+    """DDP (or one device): the model is placed, probed for unused parameters, wrapped; then the optimizer."""
+
+    def set_up(
+        self,
+        fabric: Fabric,
+        model: flair.nn.Model,
+        make_optimizer: MakeOptimizer,
+        *,
+        probe_batch: list,
+        before_wrapping: BeforeWrapping,
+        max_grad_norm: float | None,
+    ) -> Prepared:
+        fabric.to_device(model)
+        optimizer = make_optimizer(model)
+        before_wrapping(optimizer)  # e.g. flair's vocabulary reduction, on every rank before DDP sees the parameters
+        resolve_unused_parameters(fabric, model, probe_batch)
+        module = fabric.setup_module(model)
+        module.mark_forward_method("forward_loss")
+        return Prepared(module, cast(torch.optim.Optimizer, fabric.setup_optimizers(optimizer)), model)

@@ -8,8 +8,7 @@ is all flair's ``attach_to_all_processes`` does, is not enough: here they are on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,8 +27,6 @@ from flair.trainers.plugins import (
     WeightExtractorPlugin,
 )
 from lightning.fabric import Fabric
-
-from flair_fabric.checkpoint import load_from_global_zero
 
 log = logging.getLogger("flair")
 
@@ -72,7 +69,7 @@ class BroadcastRestartAnnealingPlugin(AnnealingPlugin):
         reduced = any(after < previous for after, previous in zip(self.current_learning_rate, before, strict=True))
         if not (self.restart_from_best and reduced):
             return
-        if load_from_global_zero(self.trainer.fabric, self.model, Path(self.base_path) / "best-model.pt"):
+        if self.trainer.load_model(Path(self.base_path) / "best-model.pt"):
             log.info("resetting to best model")
 
     def get_state(self) -> dict[str, Any]:
@@ -99,7 +96,7 @@ class EveryRankCheckpointPlugin(CheckpointPlugin):
                 f"Saving model at current epoch since 'save_model_each_k_epochs={self.save_model_each_k_epochs}'"
                 " was set"
             )
-            self.trainer._save_model(Path(self.base_path) / f"model_epoch_{epoch}.pt", self.save_optimizer_state)
+            self.trainer.save_model(Path(self.base_path) / f"model_epoch_{epoch}.pt", self.save_optimizer_state)
 
 
 class SummedPrototypesDeepNCMPlugin(DeepNCMPlugin):
@@ -138,9 +135,9 @@ class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
     def register_transformer_smaller_training_vocab(self, **kw: Any) -> None:
         """Not a hook here (flair's runs in ``after_setup``, after wrapping): see :meth:`reduce_before_wrapping`."""
 
-    def reduce_before_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
-        """flair's own vocabulary reduction, called by the trainer on every rank before the model is wrapped."""
-        self.trainer.optimizer = optimizer  # flair's code swaps the embedding in the trainer's optimizer
+    def reduce_before_wrapping(self) -> None:
+        """flair's own vocabulary reduction (it swaps the embedding in ``trainer.optimizer``), called by the trainer
+        on every rank before the model is wrapped."""
         ReduceTransformerVocabPlugin.register_transformer_smaller_training_vocab(self)
 
     @TrainerPlugin.hook("after_training")
@@ -152,7 +149,7 @@ class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
         for name in ("best-model.pt", "final-model.pt"):
             path = Path(self.base_path) / name
             if fabric.broadcast(path.exists() if fabric.is_global_zero else None, src=0):
-                self.trainer._save_model(path, self.save_optimizer_state)
+                self.trainer.save_model(path, self.save_optimizer_state)
                 return
 
 
@@ -220,14 +217,3 @@ def release_unattached(plugins: Sequence[TrainerPlugin]) -> None:
     for plugin in plugins:
         if plugin.pluggable is None and isinstance(plugin, TensorboardLogger) and hasattr(plugin, "writer"):
             plugin.writer.close()
-
-
-@contextmanager
-def log_on_global_zero_only(fabric: Fabric) -> Iterator[None]:
-    """Silence the ``flair`` logger on every rank but global rank 0 for the duration of a run."""
-    was_disabled = log.disabled
-    log.disabled = was_disabled or not fabric.is_global_zero
-    try:
-        yield
-    finally:
-        log.disabled = was_disabled

@@ -35,9 +35,9 @@ from flair.training_utils import EmbeddingStorageMode, Result, store_embeddings
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
-from flair_fabric.collectives import gather_to_global_zero
-from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
-from flair_fabric.stalls import wait_for_global_zero
+from flair_fabric.distributed.collectives import gather_to_global_zero
+from flair_fabric.distributed.stalls import wait_for_global_zero
+from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 
 log = logging.getLogger("flair")
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)

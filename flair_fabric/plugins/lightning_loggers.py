@@ -12,7 +12,7 @@ import torch
 from flair.trainers.plugins import MetricRecord, TrainerPlugin
 from lightning.fabric.loggers import Logger
 
-from flair_fabric.plugin_api import GlobalZeroPlugin
+from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
 
 
 def _scalars(record: MetricRecord) -> dict[str, float]:

@@ -11,10 +11,10 @@ Who notices depends on who started the processes:
   exits (:func:`exit_with_parent`).
 
 Ctrl-C and SIGTERM during training are held (:func:`graceful_interrupts`) until the ranks next agree on stops
-(:mod:`flair_fabric.lockstep`); then every rank stops at the same point the way flair stops on ``KeyboardInterrupt``
-(it saves ``final-model.pt``). A second signal stops at once. Spawned and forked workers hold signals from their
-first moment, so a Ctrl-C during set-up stops them at the first agreement point; their caller passes a Ctrl-C that
-reaches it alone (a notebook kernel) on to them, and on a second one ends and reaps them.
+(:mod:`flair_fabric.distributed.lockstep`); then every rank stops at the same point the way flair stops on
+``KeyboardInterrupt`` (it saves ``final-model.pt``). A second signal stops at once. Spawned and forked workers hold
+signals from their first moment, so a Ctrl-C during set-up stops them at the first agreement point; their caller
+passes a Ctrl-C that reaches it alone (a notebook kernel) on to them, and on a second one ends and reaps them.
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ def stop_started_processes(fabric: Fabric) -> None:
             process.kill()
 
 
+_watching: list[int] = []  # the parent this process watches already
+
+
 def exit_with_parent(poll_seconds: float = 1.0) -> None:
-    """In a process started by rank 0: exit as soon as the parent process is gone (a daemon thread watches)."""
+    """In a process started by rank 0: exit as soon as the parent process is gone (a daemon thread watches; one per
+    process, however many runs it makes)."""
     parent = os.getppid()
+    if parent in _watching:
+        return
+    _watching.append(parent)
 
     def watch() -> None:
         while os.getppid() == parent:

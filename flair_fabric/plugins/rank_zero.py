@@ -3,8 +3,7 @@
 flair plugins run on every process of a multi-process run (where flair's ``attach_to_all_processes`` allows it).
 ``rank_zero_only`` makes one hook method run on global rank 0 alone; ``GlobalZeroPlugin`` (or flair's own
 ``attach_to_all_processes = False``) keeps a whole plugin off the other processes. Inside a hook, ``self.trainer``
-is the :class:`~flair_fabric.FabricTrainer` with the run's topology: ``global_rank``, ``local_rank``, ``world_size``,
-``is_global_zero`` and ``fabric`` (for collectives, e.g. ``self.trainer.fabric.all_reduce``).
+offers the run's topology and collectives (:class:`~flair_fabric.plugins.interface.DistributedTrainer`).
 """
 
 from __future__ import annotations
@@ -16,14 +15,16 @@ from typing import Any, TypeVar
 from flair.distributed_utils import is_main_process
 from flair.trainers.plugins import TrainerPlugin
 
+from flair_fabric.plugins.interface import DistributedTrainer
+
 Hook = TypeVar("Hook", bound=Callable[..., Any])
 
 
 def is_global_zero(plugin: TrainerPlugin) -> bool:
     """Whether ``plugin`` runs in global rank 0 (also true in a single process and under flair's own trainer)."""
     trainer = plugin.trainer
-    if trainer is not None and hasattr(trainer, "is_global_zero"):
-        return bool(trainer.is_global_zero)
+    if isinstance(trainer, DistributedTrainer):
+        return trainer.is_global_zero
     return is_main_process()
 
 

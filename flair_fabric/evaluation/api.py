@@ -15,11 +15,10 @@ from flair.training_utils import Result
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
-from flair_fabric.evaluation import PREDICTED, evaluate_across_ranks
-from flair_fabric.launch import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
-from flair_fabric.plugins import log_on_global_zero_only
-from flair_fabric.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
-from flair_fabric.workers import run_on_every_rank, starts_workers
+from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.evaluation.sharded import PREDICTED, evaluate_across_ranks
+from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
+from flair_fabric.launch.workers import run_on_every_rank, starts_workers
 
 log = logging.getLogger("flair")
 
@@ -36,11 +35,9 @@ class _EvaluationJob:
 
 
 def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> tuple[Result, list[list[RecordedLabel]] | None]:
-    flair.device = fabric.device
     job.model.to(fabric.device)
     job.model.eval()
-    with log_on_global_zero_only(fabric):
-        result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
+    result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
     predictions = None
     if job.return_predictions and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
         try:

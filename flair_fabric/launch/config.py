@@ -1,17 +1,21 @@
-"""Turn Lightning's five arguments into a checked :class:`~lightning.fabric.Fabric` and start the processes.
+"""Lightning's arguments resolved by Lightning, plus the few checks Fabric does not make, all before any process
+starts; each error names the argument and the fix.
 
-Every argument is checked here, once, before any process starts; each error names the argument and the fix.
-Processes are started by Fabric's own launchers: the script relaunch for ``strategy="ddp"``, spawned or forked
-workers for ``"ddp_spawn"`` and ``"ddp_fork"``/``"ddp_notebook"``, and nothing at all when ``torchrun`` or SLURM
-already started the script (Fabric's cluster environments detect it; ``devices``/``num_nodes`` are checked
-against them here, so a mismatch is an error and not a hang).
+Precision strings and their aliases (``"bf16"``, ``"16"``, ``32``, ...) are resolved by Fabric's own connector.
+flair-fabric adds what is particular to it: ``devices`` counts processes on CPU, strategy names map to its own
+strategies (:class:`~flair_fabric.FlairDDPStrategy` with the script relaunch, spawn or fork, :class:`~flair_fabric.
+FlairFSDPStrategy`, DeepSpeed), each strategy's own checks (:func:`~flair_fabric.strategies.check_strategy`), and the
+checks of the environment: ``devices``/``num_nodes`` against what torchrun or SLURM started (a mismatch would hang),
+no relaunch or spawn from a notebook, no fork after CUDA was initialised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,16 +24,19 @@ from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 
-from flair_fabric.environment import (
+from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
+from flair_fabric.launch.environment import (
     ExternalLaunch,
     cuda_is_initialized,
     external_launch,
     is_interactive,
     quiet_lightning_banner,
 )
-from flair_fabric.sharding import FlairFSDPStrategy
-from flair_fabric.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
-from flair_fabric.strategies import FlairDDPStrategy, StartMethod
+from flair_fabric.strategies import LAUNCHING_STRATEGIES, check_strategy
+from flair_fabric.strategies.base import StartMethod
+from flair_fabric.strategies.ddp import FindUnused, FlairDDPStrategy
+from flair_fabric.strategies.deepspeed import require_deepspeed
+from flair_fabric.strategies.fsdp import FlairFSDPStrategy
 
 log = logging.getLogger("flair")
 quiet_lightning_banner()  # every process of a run imports this module before Lightning initialises the group
@@ -38,16 +45,24 @@ DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp", "deepspeed", "deepspeed_stage_2")
-LAUNCHING_STRATEGIES = (FlairDDPStrategy, FlairFSDPStrategy)
-FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+STRATEGIES = (
+    "auto",
+    "ddp",
+    "ddp_spawn",
+    "ddp_fork",
+    "ddp_notebook",
+    "fsdp",
+    "deepspeed",
+    "deepspeed_stage_1",
+    "deepspeed_stage_2",
+)
+"""Strategy names (the ``ddp*`` ones also with Lightning's ``_find_unused_parameters_true``/``_false`` suffix)."""
 _START_METHOD: dict[str, StartMethod] = {
     "ddp": "popen",
     "ddp_spawn": "spawn",
     "ddp_fork": "fork",
     "ddp_notebook": "fork",
 }
-PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 _GPU_ONLY_PRECISIONS = ("16-mixed", "16-true")
 
 
@@ -150,7 +165,7 @@ def _parse_devices_string(devices: str) -> int | list[int]:
 
 
 def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: str) -> str:
-    """Map flair's ``use_amp`` and Lightning's ``precision`` to one Fabric precision string."""
+    """Map flair's ``use_amp`` and Lightning's ``precision`` (any spelling Fabric accepts) to Fabric's name for it."""
     if use_amp and precision is not None:
         raise ValueError(
             f"use_amp=True and precision={precision!r} were both given: pass only precision= (use_amp is flair's"
@@ -161,14 +176,31 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
         log.info(f"use_amp=True: training with Fabric precision '{precision}' on {accelerator}.")
     if precision is None:
         return "32-true"
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; choose one of {', '.join(PRECISIONS)}.")
-    assert isinstance(precision, str)
-    if precision in _GPU_ONLY_PRECISIONS and accelerator != "cuda":
+    try:  # Fabric's connector resolves the aliases and refuses what the accelerator cannot do
+        with warnings.catch_warnings(), _lightning_quiet():
+            warnings.simplefilter("ignore")  # Lightning's note that an alias was translated
+            fabric = Fabric(accelerator=accelerator, devices=1, precision=precision)  # type: ignore[arg-type]
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ValueError(f"precision={precision!r} is not supported here: {error}") from None
+    resolved = str(getattr(fabric.strategy.precision, "precision", "32-true"))
+    fp16_replaced = resolved == "bf16-mixed" and "bf16" not in str(precision)  # Lightning's silent fallback on CPU
+    if fp16_replaced or (resolved in _GPU_ONLY_PRECISIONS and accelerator != "cuda"):
         raise ValueError(
             f"precision={precision!r} needs a CUDA GPU; on {accelerator} use precision='bf16-mixed' instead."
         )
-    return precision
+    return resolved
+
+
+@contextlib.contextmanager
+def _lightning_quiet() -> Iterator[None]:
+    """Lightning's own info lines ("Using bfloat16 Automatic Mixed Precision") off while only resolving."""
+    logger = logging.getLogger("lightning.fabric")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def resolve_strategy(
@@ -184,77 +216,36 @@ def resolve_strategy(
     notebook or REPL (which cannot be relaunched) and the script relaunch elsewhere. ``"fsdp"`` starts processes the
     same way.
     """
-    if isinstance(strategy, DeepSpeedStrategy):
-        return check_deepspeed(strategy, accelerator)
     if isinstance(strategy, Strategy):
-        if not isinstance(strategy, LAUNCHING_STRATEGIES):
+        if not isinstance(strategy, (*LAUNCHING_STRATEGIES, DeepSpeedStrategy)):
             raise ValueError(
                 f"strategy={type(strategy).__name__}(...) is not supported; pass one of {', '.join(STRATEGIES)}"
                 " or a FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object."
             )
         return strategy
-    if strategy not in STRATEGIES:
+    name, find_unused = _split_find_unused(strategy)
+    if name not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
     interactive = launched is None and is_interactive()
-    if strategy == "auto":
+    if name == "auto":
         if world_size == 1 and launched is None:
             return "auto"
-        return FlairDDPStrategy(start_method="fork" if interactive else "popen", timeout=timeout)
-    if strategy == "fsdp":
+        name = "ddp_notebook" if interactive else "ddp"
+    if name == "fsdp":
         return FlairFSDPStrategy(start_method="fork" if interactive else "popen", timeout=timeout)
-    if strategy.startswith("deepspeed"):
+    if name.startswith("deepspeed"):
         require_deepspeed(accelerator)  # before Lightning's constructor, which needs the package
-        return check_deepspeed(DeepSpeedStrategy(stage=2, timeout=timeout), accelerator)
-    return FlairDDPStrategy(start_method=_START_METHOD[strategy], timeout=timeout)
+        stage = 1 if name == "deepspeed_stage_1" else 2
+        return DeepSpeedStrategy(stage=stage, timeout=timeout)
+    return FlairDDPStrategy(start_method=_START_METHOD[name], timeout=timeout, find_unused_parameters=find_unused)
 
 
-def deepspeed_is_installed() -> bool:
-    """Whether the optional ``deepspeed`` package can be imported."""
-    from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
-
-    return bool(_DEEPSPEED_AVAILABLE)
-
-
-def require_deepspeed(accelerator: str) -> None:
-    """DeepSpeed needs its package and a CUDA GPU."""
-    if not deepspeed_is_installed():
-        raise ValueError(
-            "strategy='deepspeed' needs the deepspeed package, which is not installed: pip install"
-            " 'flair-fabric[deepspeed]' (on a machine with CUDA), or use strategy='fsdp'."
-        )
-    if accelerator != "cuda":
-        raise ValueError(
-            f"strategy='deepspeed' needs a CUDA GPU, and the accelerator here is {accelerator!r}: use strategy='fsdp',"
-            " which shards parameters, gradients and optimizer state on CPU as well."
-        )
-
-
-def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedStrategy:
-    """A DeepSpeed strategy FabricTrainer can run: package, GPU, and ZeRO stage 1 or 2."""
-    require_deepspeed(accelerator)
-    stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        raise ValueError(
-            f"DeepSpeed ZeRO stage {stage} is not supported by FabricTrainer (stage 3 partitions the parameters, so"
-            " flair cannot predict or save with them): use stage 2, or strategy='fsdp' to shard the parameters too."
-        )
-    return strategy
-
-
-def check_fsdp(strategy: StrategyArgument, accelerator: str, precision: str) -> None:
-    """The precisions and options FSDP supports here."""
-    if not isinstance(strategy, FlairFSDPStrategy):
-        return
-    if precision not in FSDP_PRECISIONS:
-        raise ValueError(
-            f"strategy='fsdp' does not support precision={precision!r}: choose one of {', '.join(FSDP_PRECISIONS)}"
-            " (for fp16 mixed precision pass FlairFSDPStrategy(mixed_precision=MixedPrecisionPolicy(...)))."
-        )
-    if strategy.cpu_offload and accelerator != "cuda":
-        raise ValueError(
-            f"FlairFSDPStrategy(cpu_offload=True) moves shards from the GPU to the CPU, but the accelerator is"
-            f" {accelerator!r}: leave cpu_offload=False."
-        )
+def _split_find_unused(strategy: str) -> tuple[str, FindUnused]:
+    """Lightning's ``"ddp_find_unused_parameters_true"`` spellings: the strategy name and the forced setting."""
+    for suffix, value in (("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False)):
+        if isinstance(strategy, str) and strategy.endswith(suffix) and strategy.startswith("ddp"):
+            return strategy.removesuffix(suffix), value
+    return strategy, "auto"
 
 
 def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None) -> None:
@@ -336,7 +327,7 @@ def make_launch_config(
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
     resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched, timeout)
     check_start_method(resolved_strategy, launched)
-    check_fsdp(resolved_strategy, concrete_accelerator, resolved_precision)
+    check_strategy(resolved_strategy, concrete_accelerator, resolved_precision)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision, timeout)
 
 

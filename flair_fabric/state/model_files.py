@@ -15,8 +15,9 @@ import flair
 import torch
 from lightning.fabric import Fabric
 
-from flair_fabric.sharding import full_state_dict, is_sharded, load_full_state_dict
-from flair_fabric.stalls import wait_for_global_zero
+from flair_fabric.distributed.sharded_state import full_state_dict, is_sharded, load_full_state_dict
+from flair_fabric.distributed.stalls import wait_for_global_zero
+from flair_fabric.state.model_state import flair_state, save_flair_state
 
 
 def save_model_atomically(
@@ -37,21 +38,12 @@ def save_model_atomically(
         if weights is None:
             model.save(temporary, checkpoint=checkpoint)
         else:
-            _save_with_weights(model, temporary, weights)
+            save_flair_state(flair_state(model, weights), temporary)
         os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a model file gets the usual permissions
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-
-
-def _save_with_weights(model: flair.nn.Model, path: str, weights: dict[str, torch.Tensor]) -> None:
-    """flair's ``Model.save`` with ``weights`` in place of ``model.state_dict()``."""
-    model_state = model._get_state_dict()
-    model_state["state_dict"] = weights
-    if model.model_card is not None:
-        model_state["model_card"] = model.model_card
-    torch.save(model_state, path, pickle_protocol=4)
 
 
 def check_writable_folder(base_path: str | Path) -> None:

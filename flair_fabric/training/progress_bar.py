@@ -8,7 +8,7 @@ import sys
 import tqdm.auto
 import tqdm.std
 
-from flair_fabric.environment import in_jupyter_kernel
+from flair_fabric.launch.environment import in_jupyter_kernel
 
 
 def show_progress_bar(progress_bar: bool | None, is_global_zero: bool) -> bool:

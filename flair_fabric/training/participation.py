@@ -18,15 +18,14 @@ Ordinary steps pay only a check of ``loss.grad_fn``.
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import flair
 import torch
 from flair.data import _len_dataset
-from flair.training_utils import store_embeddings
 from torch.utils.data import Dataset
+
+from flair_fabric.strategies.probing import leaves_no_trace
 
 ForwardLoss = Callable[[list], tuple[torch.Tensor, int]]
 
@@ -34,35 +33,6 @@ ForwardLoss = Callable[[list], tuple[torch.Tensor, int]]
 def learns_something(loss: torch.Tensor) -> bool:
     """Whether ``loss`` depends on a parameter (a backward pass through it computes gradients)."""
     return loss.grad_fn is not None
-
-
-def _stateful_tensors(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
-    """Copies of the buffers and plain tensor attributes of every module (running statistics, accumulators)."""
-    saved = []
-    for module in model.modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            saved.append((module, name, buffer.detach().clone()))
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                saved.append((module, name, value.detach().clone()))
-    return saved
-
-
-@contextmanager
-def leaves_no_trace(model: torch.nn.Module, batch: list) -> Iterator[None]:
-    """Inside the block the model may run on ``batch``: afterwards random number generators, buffers and tensor
-    attributes are as before and the embeddings stored on ``batch`` are gone."""
-    saved_state = _stateful_tensors(model)
-    devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
-    python_state = random.getstate()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        for module, name, value in saved_state:
-            setattr(module, name, value)
-        store_embeddings(batch, "none")
 
 
 def find_stand_in_batch(
@@ -121,20 +91,3 @@ def chunks_for_every_rank(batch: list, chunk_size: int | None, largest_batch: in
         return [batch]
     chunks = [batch[i : i + chunk_size] for i in range(0, len(batch), chunk_size)] or [batch]
     return chunks + [[] for _ in range(math.ceil(largest_batch / chunk_size) - len(chunks))]
-
-
-def parameters_without_gradient(model: flair.nn.Model, batch: list) -> list[str]:
-    """Names of trainable parameters that get no gradient from one ``forward_loss`` on ``batch``; leaves no trace."""
-    was_training = model.training
-    try:
-        with leaves_no_trace(model, batch):
-            model.train()
-            model.zero_grad(set_to_none=True)
-            loss, _ = model.forward_loss(batch)
-            if loss.requires_grad:
-                loss.backward()
-            unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    finally:
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-    return unused

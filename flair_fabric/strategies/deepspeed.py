@@ -1,0 +1,82 @@
+"""DeepSpeed (ZeRO stage 1 or 2, CUDA only) through Fabric's ``DeepSpeedStrategy``: its checks and its part in the
+loop. Model and optimizer are set up together, and the engine clips gradients itself (from its config). Stage 3
+partitions the parameters, so flair could neither predict nor save with them: refused."""
+
+from __future__ import annotations
+
+import flair
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DeepSpeedStrategy
+
+from flair_fabric.strategies.base import BeforeWrapping, MakeOptimizer, Prepared, TrainingStrategy
+
+
+def deepspeed_is_installed() -> bool:
+    """Whether the optional ``deepspeed`` package can be imported."""
+    from lightning.fabric.strategies.deepspeed import _DEEPSPEED_AVAILABLE
+
+    return bool(_DEEPSPEED_AVAILABLE)
+
+
+def require_deepspeed(accelerator: str) -> None:
+    """DeepSpeed needs its package and a CUDA GPU."""
+    if not deepspeed_is_installed():
+        raise ValueError(
+            "strategy='deepspeed' needs the deepspeed package, which is not installed: pip install"
+            " 'flair-fabric[deepspeed]' (on a machine with CUDA), or use strategy='fsdp'."
+        )
+    if accelerator != "cuda":
+        raise ValueError(
+            f"strategy='deepspeed' needs a CUDA GPU, and the accelerator here is {accelerator!r}: use strategy='fsdp',"
+            " which shards parameters, gradients and optimizer state on CPU as well."
+        )
+
+
+def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedStrategy:
+    """A DeepSpeed strategy FabricTrainer can run: package, GPU, and ZeRO stage 1 or 2."""
+    require_deepspeed(accelerator)
+    stage = (strategy.config or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage} is not supported by FabricTrainer (stage 3 partitions the parameters, so"
+            " flair cannot predict or save with them): use stage 2, or strategy='fsdp' to shard the parameters too."
+        )
+    return strategy
+
+
+class DeepSpeed(TrainingStrategy):
+    """DeepSpeed ZeRO stage 1/2: the parameters stay whole, so flair saves and predicts with them as usual."""
+
+    clips_gradients_in_engine = True
+
+    def __init__(self, strategy: DeepSpeedStrategy) -> None:
+        self.strategy = strategy
+
+    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
+        if reduces_vocabulary:
+            raise ValueError(
+                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
+                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
+                " leave the vocabulary as it is."
+            )
+        if mini_batch_chunk_size is not None:
+            raise ValueError(
+                "mini_batch_chunk_size cannot be used with strategy='deepspeed' (its engine steps on every backward):"
+                " set DeepSpeed's gradient accumulation instead, or use strategy='fsdp'."
+            )
+
+    def set_up(
+        self,
+        fabric: Fabric,
+        model: flair.nn.Model,
+        make_optimizer: MakeOptimizer,
+        *,
+        probe_batch: list,
+        before_wrapping: BeforeWrapping,
+        max_grad_norm: float | None,
+    ) -> Prepared:
+        assert self.strategy.config is not None
+        self.strategy.config["gradient_clipping"] = max_grad_norm or 0.0
+        module, optimizer = fabric.setup(model, make_optimizer(model))
+        module.mark_forward_method("forward_loss")
+        return Prepared(module, optimizer, model)

@@ -1,0 +1,182 @@
+"""A training run's arguments, bound once into frozen, typed records: flair's and flair-fabric's.
+
+:class:`FlairArguments` holds flair's ``train_custom`` arguments with flair's names, defaults (taken from flair's own
+signature when binding) and meaning; :class:`TrainArguments` adds the resolved launch configuration and
+flair-fabric's run options. Nothing here is changed after binding: derived values (the optimizer's keyword
+arguments, the epoch a resumed run starts after) are computed, never written back into what the user passed.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from flair.data import Dictionary
+from flair.samplers import FlairSampler
+from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
+from flair.training_utils import EmbeddingStorageMode
+
+from flair_fabric.launch.config import LaunchConfig
+
+_FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
+
+ADDED_PARAMETERS = [
+    inspect.Parameter("accelerator", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="str"),
+    inspect.Parameter("devices", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="DevicesArgument"),
+    inspect.Parameter("num_nodes", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
+    inspect.Parameter("strategy", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="StrategyArgument"),
+    inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
+    inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
+    inspect.Parameter("checkpoint_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
+    inspect.Parameter("resume_from", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[str, Path, None]"),
+    inspect.Parameter(
+        "collective_timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[float, timedelta, None]"
+    ),
+]
+
+ADDED_DOC = """
+        Lightning arguments (keyword only), added by FabricTrainer:
+            accelerator: "auto", "cpu", "cuda", "gpu" or "mps".
+            devices: devices per node: an int, -1 for all, "auto", or a list of device indices.
+            num_nodes: number of machines.
+            strategy: "auto", "ddp" (script relaunch), "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp" (sharded
+                parameters, gradients and optimizer state), "deepspeed" (ZeRO stage 2, CUDA only), or a
+                FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
+            precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
+            progress_bar: a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).
+            checkpoint_every_n_epochs: save the complete training state to base_path/checkpoint every n epochs
+                (0: never).
+            resume_from: continue from a checkpoint: its folder, or "auto" for base_path/checkpoint if there is one.
+            collective_timeout: how long a rank waits in a collective for the others before the job ends with an
+                error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
+                rank 0 alone are not limited by it.
+"""
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def with_flair_signature(flair_method: Callable[..., Any]) -> Callable[[Method], Method]:
+    """Show flair's parameters plus Lightning's in ``help()`` and IDEs for a method that forwards ``**kwargs``."""
+    flair_signature = inspect.signature(flair_method)
+    positional = [p for p in flair_signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    var_keyword = [p for p in flair_signature.parameters.values() if p.kind == p.VAR_KEYWORD]
+
+    def decorate(method: Method) -> Method:
+        method.__signature__ = flair_signature.replace(  # type: ignore[attr-defined]
+            parameters=positional + ADDED_PARAMETERS + var_keyword
+        )
+        method.__doc__ = (flair_method.__doc__ or "") + ADDED_DOC
+        return method
+
+    return decorate
+
+
+@dataclass(frozen=True)
+class FlairArguments:
+    """flair's ``ModelTrainer.train_custom`` arguments (see flair's documentation for each)."""
+
+    base_path: Path
+    learning_rate: float
+    decoder_learning_rate: float | None
+    mini_batch_size: int
+    eval_batch_size: int
+    mini_batch_chunk_size: int | None
+    max_epochs: int
+    optimizer: type[torch.optim.Optimizer]
+    train_with_dev: bool
+    train_with_test: bool
+    max_grad_norm: float | None
+    reduce_transformer_vocab: bool
+    main_evaluation_metric: tuple[str, str]
+    monitor_test: bool
+    monitor_train_sample: float
+    use_final_model_for_eval: bool
+    gold_label_dictionary_for_eval: Dictionary | None
+    exclude_labels: list[str] | None
+    sampler: FlairSampler | type[FlairSampler] | None
+    shuffle: bool
+    shuffle_first_epoch: bool
+    embeddings_storage_mode: EmbeddingStorageMode
+    epoch: int
+    save_final_model: bool
+    save_optimizer_state: bool
+    save_model_each_k_epochs: int
+    create_file_logs: bool
+    create_loss_file: bool
+    write_weights: bool
+    use_amp: bool
+    multi_gpu: bool
+    plugins: list[TrainerPlugin] | None
+    kwargs: dict[str, Any]
+    """The optimizer's other keyword arguments (flair's ``**kwargs``)."""
+
+    @classmethod
+    def bind(cls, trainer: ModelTrainer, base_path: Any, *args: Any, **kwargs: Any) -> FlairArguments:
+        """flair's arguments as ``train_custom`` receives them, with flair's defaults for the ones not given."""
+        bound = _FLAIR_TRAIN_CUSTOM.bind(trainer, base_path, *args, **kwargs)
+        bound.apply_defaults()
+        values = {name: value for name, value in bound.arguments.items() if name != "self"}
+        values["base_path"] = Path(values["base_path"])
+        values["kwargs"] = dict(values["kwargs"])
+        return cls(**values)
+
+    @property
+    def optimizer_arguments(self) -> dict[str, Any]:
+        """What flair gives the optimizer: its other keyword arguments and the learning rate."""
+        return {**self.kwargs, "lr": self.learning_rate}
+
+    @property
+    def labels_excluded(self) -> list[str]:
+        """``exclude_labels`` as flair uses it (``None``: none)."""
+        return self.exclude_labels if self.exclude_labels is not None else []
+
+    def as_dict(self) -> dict[str, Any]:
+        """The arguments by name, as the values given (not copies), ``kwargs`` as one entry."""
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+@dataclass(frozen=True)
+class TrainArguments:
+    """Everything one training run is given: flair's arguments, the launch configuration, flair-fabric's options."""
+
+    flair: FlairArguments
+    launch: LaunchConfig
+    progress_bar: bool
+    checkpoint_every_n_epochs: int
+    resume_folder: Path | None
+    start_epoch: int
+    """The completed epochs the run starts after: flair's ``epoch``, or the resumed checkpoint's."""
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        """How long a collective waits for the other ranks."""
+        return self.launch.collective_timeout
+
+    def training_parameters(self, plugins: list[TrainerPlugin]) -> dict[str, Any]:
+        """What flair hands the ``after_setup`` hooks and writes into the model card: flair's arguments (the
+        optimizer's keyword arguments among them, the plugins in use) and flair-fabric's."""
+        launch = self.launch
+        strategy = launch.strategy if isinstance(launch.strategy, str) else type(launch.strategy).__name__
+        parameters = {
+            **self.flair.as_dict(),
+            "exclude_labels": self.flair.labels_excluded,
+            "plugins": plugins,
+            "epoch": self.start_epoch,
+            "accelerator": launch.accelerator,
+            "devices": launch.devices,
+            "num_nodes": launch.num_nodes,
+            "strategy": strategy,
+            "precision": launch.precision,
+            "progress_bar": self.progress_bar,
+            "checkpoint_every_n_epochs": self.checkpoint_every_n_epochs,
+            "resume_from": str(self.resume_folder) if self.resume_folder is not None else None,
+            "collective_timeout": launch.collective_timeout,
+        }
+        parameters.update(self.flair.kwargs)
+        return parameters
