@@ -38,121 +38,137 @@ MUTATIONS = [
         "every data point once per epoch across ranks",
         [
             (
-                "flair_fabric/sampling.py",
+                "flair_fabric/training/sampling.py",
                 "return int(fabric.broadcast(seed, src=0))",
                 "return int(torch.randint(0, 2**31 - 1, (1,)).item())",
             )
         ],
-        ["tests/test_ddp.py::test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch"],
+        [
+            "tests/strategies/test_ddp.py::test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch"
+        ],
     ),
     Mutation(
         "train loss = mean of the ranks' means",
         "sample-weighted global train loss",
         [
             (
-                "flair_fabric/trainer.py",
-                "loss_sum, data_points = self._lockstep.agree(loss.loss_sum, count)",
-                "loss_sum, data_points = self._lockstep.agree(loss.mean(), torch.ones((), device=fabric.device))",
+                "flair_fabric/training/run.py",
+                "loss_sum, data_points = self.lockstep.agree(loss.loss_sum, count)",
+                "loss_sum, data_points = self.lockstep.agree(loss.mean(), torch.ones((), device=self.fabric.device))",
             )
         ],
-        ["tests/test_every_model.py", "-k", "union and text_missing_labels"],
+        ["tests/training/test_every_model.py", "-k", "union and text_missing_labels"],
     ),
     Mutation(
         "resume on another world size skips model and optimizer",
         "model, optimizer and schedules continue",
         [
             (
-                "flair_fabric/resume.py",
+                "flair_fabric/state/training_state.py",
                 '    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer}, weights_only=True)',
                 "    if progress.world_size == fabric.world_size:\n"
                 '        fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer},'
                 " weights_only=True)",
             )
         ],
-        ["tests/test_resume.py::test_a_checkpoint_of_one_process_resumes_on_two"],
+        ["tests/state/test_resume.py::test_a_checkpoint_of_one_process_resumes_on_two"],
     ),
     Mutation(
         "flair.device never set from Fabric",
         "each rank computes on its own device",
         [
-            ("flair_fabric/trainer.py", "        flair.device = fabric.device\n", "        pass\n"),
-            ("flair_fabric/workers.py", "        flair.device = fabric.device\n", "        pass\n"),
+            ("flair_fabric/launch/workers.py", "    flair.device = fabric.device\n    relaunched", "    relaunched"),
+            (
+                "flair_fabric/launch/workers.py",
+                "        flair.device = fabric.device  # before the job",
+                "        pass  # before the job",
+            ),
         ],
-        ["tests/test_launching.py::test_every_rank_computes_on_the_device_fabric_gives_it"],
+        ["tests/launch/test_launching.py::test_every_rank_computes_on_the_device_fabric_gives_it"],
     ),
     Mutation(
         "Fabric always built with 32-true",
         "bf16-mixed / use_amp mapping",
-        [("flair_fabric/launch.py", "precision=config.precision,", 'precision="32-true",')],
-        ["tests/test_parity.py", "-k", "bf16"],
+        [("flair_fabric/launch/config.py", "precision=config.precision,", 'precision="32-true",')],
+        ["tests/training/test_parity.py", "-k", "bf16"],
     ),
     Mutation(
         "both failure guards removed",
         "no hang, no orphans when a rank dies",
         [
             (
-                "flair_fabric/failures.py",
+                "flair_fabric/launch/failures.py",
                 "    launcher = fabric.strategy.launcher\n",
                 "    return\n    launcher = fabric.strategy.launcher\n",
             ),
-            ("flair_fabric/failures.py", "    parent = os.getppid()\n", "    return\n    parent = os.getppid()\n"),
+            (
+                "flair_fabric/launch/failures.py",
+                "    parent = os.getppid()\n",
+                "    return\n    parent = os.getppid()\n",
+            ),
         ],
-        ["tests/test_reliability.py", "-k", "rank0-raises-rank1-stopped or rank0-dies-rank1-stalls"],
+        ["tests/distributed/test_reliability.py", "-k", "rank0-raises-rank1-stopped or rank0-dies-rank1-stalls"],
     ),
     Mutation(
         "loss not scaled by the world size",
         "gradients equal one process on the union (fsdp too, clipping off)",
         [
             (
-                "flair_fabric/trainer.py",
-                "self._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)",
-                "self._backward(loss)",
+                "flair_fabric/training/run.py",
+                "trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)",
+                "trainer._backward(loss)",
             )
         ],
-        ["tests/test_every_model.py", "-k", "chunks and fsdp and text_missing_labels"],
+        ["tests/training/test_every_model.py", "-k", "chunks and fsdp and text_missing_labels"],
     ),
     Mutation(
         "a step that learns nothing does not take part",
         "no rank stalls the others (relation extraction, entity linking)",
         [
             (
-                "flair_fabric/trainer.py",
-                "participation=Participation(self.model, stand_in) if fabric.world_size > 1 else None,",
-                "participation=None,",
+                "flair_fabric/training/run.py",
+                "self.participation = Participation(trainer.model, stand_in) if fabric.world_size > 1 else None",
+                "self.participation = None",
             )
         ],
-        ["tests/test_every_model.py", "-k", "union and relation_extractor"],
+        ["tests/training/test_every_model.py", "-k", "union and relation_extractor"],
     ),
     Mutation(
         "ranks cut different numbers of chunks",
         "every rank runs as many passes per step (fsdp collectives pair up)",
-        [("flair_fabric/participation.py", "    return chunks + [[] for _ in", "    return chunks or [[] for _ in")],
-        ["tests/test_every_model.py", "-k", "chunks and fsdp and span"],
+        [
+            (
+                "flair_fabric/training/participation.py",
+                "    return chunks + [[] for _ in",
+                "    return chunks or [[] for _ in",
+            )
+        ],
+        ["tests/training/test_every_model.py", "-k", "chunks and fsdp and span"],
     ),
     Mutation(
         "the fsdp root reshards after forward",
         "a step that learns nothing gathers the root's parameters as often as the others",
         [
             (
-                "flair_fabric/sharding.py",
+                "flair_fabric/strategies/fsdp.py",
                 'fully_shard(model, **{**options, "reshard_after_forward": False})',
                 "fully_shard(model, **options)",
             )
         ],
-        ["tests/test_every_model.py", "-k", "chunks and fsdp and relation_extractor"],
+        ["tests/training/test_every_model.py", "-k", "chunks and fsdp and relation_extractor"],
     ),
     Mutation(
         "rank-0-only work waits on the short timeout",
         "slow saves and rank-0 evaluation do not trip collective_timeout",
-        [("flair_fabric/stalls.py", "    if fabric.world_size == 1 or not", "    if True or not")],
-        ["tests/test_reliability.py::test_work_of_rank_zero_alone_does_not_trip_the_collective_timeout"],
+        [("flair_fabric/distributed/stalls.py", "    if fabric.world_size == 1 or not", "    if True or not")],
+        ["tests/distributed/test_reliability.py::test_work_of_rank_zero_alone_does_not_trip_the_collective_timeout"],
     ),
     Mutation(
         "a timed-out collective is not explained",
         "the error says which rank, epoch, step and phase",
-        [("flair_fabric/stalls.py", "        if not is_timeout(error) or", "        if True or")],
+        [("flair_fabric/distributed/stalls.py", "        if not is_timeout(error) or", "        if True or")],
         [
-            "tests/test_reliability.py::test_a_stalled_rank_ends_the_job_after_the_collective_timeout_with_an_error_that_says_where"
+            "tests/distributed/test_reliability.py::test_a_stalled_rank_ends_the_job_after_the_collective_timeout_with_an_error_that_says_where"
         ],
     ),
     Mutation(
@@ -160,126 +176,156 @@ MUTATIONS = [
         "collective_timeout reaches the process group",
         [
             (
-                "flair_fabric/launch.py",
-                "    return FlairDDPStrategy(start_method=_START_METHOD[strategy], timeout=timeout)",
-                "    return FlairDDPStrategy(start_method=_START_METHOD[strategy])",
+                "flair_fabric/launch/config.py",
+                "start_method=_START_METHOD[name], timeout=timeout, find_unused",
+                "start_method=_START_METHOD[name], find_unused",
             )
         ],
-        ["tests/test_arguments.py", "-k", "collective_timeout_reaches"],
+        ["tests/training/test_arguments.py", "-k", "collective_timeout_reaches"],
     ),
     Mutation(
         "the caller's model stays in train mode",
         "the model comes back from workers as flair leaves it",
-        [("flair_fabric/trainer.py", "        self.model.train(trained.training)", "        pass")],
-        ["tests/test_every_model.py", "-k", "union and text]"],
+        [("flair_fabric/training/in_workers.py", "        model.train(self.training)", "        pass")],
+        ["tests/training/test_every_model.py", "-k", "union and text]"],
     ),
     Mutation(
         "the caller's model gets no model card",
         "the model comes back from workers as flair leaves it",
-        [("flair_fabric/trainer.py", "        self.model.model_card = trained.model_card\n", "")],
-        ["tests/test_every_model.py", "-k", "union and text]"],
+        [("flair_fabric/training/in_workers.py", "        model.model_card = self.model_card\n", "")],
+        ["tests/training/test_every_model.py", "-k", "union and text]"],
     ),
     Mutation(
         "a Ctrl-C to the caller alone is not passed on",
         "an interrupt to a notebook kernel stops every worker",
-        [("flair_fabric/workers.py", "                os.kill(worker.pid, FORWARDED_SIGNAL)", "                pass")],
-        ["tests/test_notebooks.py", "-k", "kernel-mid-epoch-1"],
+        [
+            (
+                "flair_fabric/launch/workers.py",
+                "                os.kill(worker.pid, FORWARDED_SIGNAL)",
+                "                pass",
+            )
+        ],
+        ["tests/launch/test_notebooks.py", "-k", "kernel-mid-epoch-1"],
     ),
     Mutation(
         "stopped workers are not reaped",
         "no worker is left after two interrupts, not even a zombie",
-        [("flair_fabric/workers.py", "    deadline = time.monotonic() + grace_seconds\n", "    return 0\n")],
-        ["tests/test_notebooks.py", "-k", "kernel-mid-epoch-2"],
+        [("flair_fabric/launch/workers.py", "    deadline = time.monotonic() + grace_seconds\n", "    return 0\n")],
+        ["tests/launch/test_notebooks.py", "-k", "kernel-mid-epoch-2"],
     ),
     Mutation(
         "every rank prints Lightning's banner",
         "one banner in a notebook",
         [
             (
-                "flair_fabric/environment.py",
+                "flair_fabric/launch/environment.py",
                 '        return not message.startswith("Initializing',
                 '        return True or message.startswith("Initializing',
             )
         ],
-        ["tests/test_notebooks.py", "-k", "gets_the_model_back"],
+        ["tests/launch/test_notebooks.py", "-k", "gets_the_model_back"],
     ),
     Mutation(
         "ddp_spawn is not refused in a notebook",
         "spawn in a notebook gets our error before anything is created",
         [
             (
-                "flair_fabric/launch.py",
+                "flair_fabric/launch/config.py",
                 '    if strategy.start_method == "spawn" and launched is None',
                 "    if False and launched is None",
             )
         ],
-        ["tests/test_notebooks.py", "-k", "gets_the_model_back"],
+        ["tests/launch/test_notebooks.py", "-k", "gets_the_model_back"],
     ),
     Mutation(
         "the rendezvous of a one-machine run listens on every interface",
         "loopback only",
         [
             (
-                "flair_fabric/workers.py",
+                "flair_fabric/launch/workers.py",
                 "    return (\n        isinstance(strategy, LAUNCHING_STRATEGIES)",
                 "    return False and (\n        isinstance(strategy, LAUNCHING_STRATEGIES)",
             )
         ],
-        ["tests/test_launching.py", "-k", "spawn_and_fork and fork"],
+        ["tests/launch/test_launching.py", "-k", "spawn_and_fork and fork"],
     ),
     Mutation(
         "checkpoint files unpickled as they come",
         "checkpoints load data, never code",
         [
             (
-                "flair_fabric/safe_loading.py",
+                "flair_fabric/state/safe_loading.py",
                 'map_location="cpu", weights_only=True)',
                 'map_location="cpu", weights_only=False)',
             )
         ],
-        ["tests/test_resume.py", "-k", "tampered and ddp"],
+        ["tests/state/test_resume.py", "-k", "tampered and ddp"],
     ),
     Mutation(
         "a sharded checkpoint's metadata is not checked",
         "checkpoints load data, never code (fsdp)",
-        [("flair_fabric/resume.py", "        check_distributed_checkpoint(state)", "        pass")],
-        ["tests/test_resume.py", "-k", "tampered and fsdp"],
+        [("flair_fabric/state/training_state.py", "        check_distributed_checkpoint(state)", "        pass")],
+        ["tests/state/test_resume.py", "-k", "tampered and fsdp"],
     ),
     Mutation(
         "checkpoints keep the umask's permissions",
         "checkpoint files are private to the user",
-        [("flair_fabric/resume.py", "        _make_private(temporary)\n", "")],
-        ["tests/test_resume.py", "-k", "tampered and ddp"],
+        [("flair_fabric/state/training_state.py", "        _make_private(temporary)\n", "")],
+        ["tests/state/test_resume.py", "-k", "tampered and ddp"],
     ),
     Mutation(
         "evaluation batches not dealt round robin",
         "sharded evaluation predicts each point once, on every rank",
-        [("flair_fabric/evaluation.py", "if number % world_size == rank", "if rank == 0")],
-        ["tests/test_sharded_evaluation.py", "-k", "predicts_each_data_point_once"],
+        [("flair_fabric/evaluation/sharded.py", "if number % world_size == rank", "if rank == 0")],
+        ["tests/evaluation/test_sharded_evaluation.py", "-k", "predicts_each_data_point_once"],
     ),
     Mutation(
         "ranks' corpora and models not compared",
         "ranks that would train different things are refused",
         [
             (
-                "flair_fabric/fingerprints.py",
+                "flair_fabric/distributed/fingerprints.py",
                 "    if fabric.world_size == 1:\n        return\n    mine",
                 "    return\n    mine",
             )
         ],
-        ["tests/test_reliability.py", "-k", "different_things and labels"],
+        ["tests/distributed/test_reliability.py", "-k", "different_things and labels"],
+    ),
+    Mutation(
+        "the launch path does not stop relaunched ranks when rank 0 raises",
+        "flair_fabric.evaluate and training share the guards: nothing left running",
+        [
+            (
+                "flair_fabric/launch/workers.py",
+                "                stop_started_processes(fabric)  #",
+                "                pass  #",
+            )
+        ],
+        ["tests/evaluation/test_sharded_evaluation.py", "-k", "relaunch_ends"],
+    ),
+    Mutation(
+        "the engine-clipping flag is ignored (the loop clips under every strategy but never with DDP)",
+        "gradient clipping as flair does it",
+        [
+            (
+                "flair_fabric/training/run.py",
+                "if a.max_grad_norm is not None and not self.strategy.clips_gradients_in_engine:",
+                "if a.max_grad_norm is not None and self.strategy.clips_gradients_in_engine:",
+            )
+        ],
+        ["tests/training/test_parity.py", "-k", "matches_flair"],
     ),
     Mutation(
         "the longer shard's last point is not folded in",
         "every point once, same number of steps on every rank",
         [
             (
-                "flair_fabric/sampling.py",
+                "flair_fabric/training/sampling.py",
                 "        last = batches.pop()\n        batches[-1] = batches[-1] + last",
                 "        pass",
             )
         ],
-        ["tests/test_sampling.py"],
+        ["tests/training/test_sampling.py"],
     ),
 ]
 

@@ -32,7 +32,7 @@ from flair_fabric.launch.environment import (
     is_interactive,
     quiet_lightning_banner,
 )
-from flair_fabric.strategies import LAUNCHING_STRATEGIES, check_strategy
+from flair_fabric.strategies import LAUNCHING_STRATEGIES, check_strategy, is_supported
 from flair_fabric.strategies.base import StartMethod
 from flair_fabric.strategies.ddp import FindUnused, FlairDDPStrategy
 from flair_fabric.strategies.deepspeed import require_deepspeed
@@ -217,7 +217,7 @@ def resolve_strategy(
     same way.
     """
     if isinstance(strategy, Strategy):
-        if not isinstance(strategy, (*LAUNCHING_STRATEGIES, DeepSpeedStrategy)):
+        if not is_supported(strategy):
             raise ValueError(
                 f"strategy={type(strategy).__name__}(...) is not supported; pass one of {', '.join(STRATEGIES)}"
                 " or a FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object."

@@ -22,6 +22,11 @@ def training_strategy(strategy: Strategy) -> TrainingStrategy:
     return DataParallel()
 
 
+def is_supported(strategy: Strategy) -> bool:
+    """Whether flair-fabric trains with this strategy object."""
+    return isinstance(strategy, (*LAUNCHING_STRATEGIES, DeepSpeedStrategy))
+
+
 def check_strategy(strategy: Strategy | str, accelerator: str, precision: str) -> None:
     """The checks each strategy makes of the launch arguments it is given (before any process starts)."""
     if isinstance(strategy, FlairFSDPStrategy):
@@ -36,5 +41,6 @@ __all__ = [
     "FlairFSDPStrategy",
     "TrainingStrategy",
     "check_strategy",
+    "is_supported",
     "training_strategy",
 ]

@@ -10,20 +10,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from flair.trainers.plugins import MetricRecord, TrainingInterrupt
-from flair.training_utils import Result, identify_dynamic_embeddings, log_line, store_embeddings
+from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
 from lightning.fabric import Fabric
-from torch.utils.data import Dataset
+from lightning.fabric.utilities.throughput import Throughput
 
 from flair_fabric.distributed.fingerprints import check_ranks_agree, model_fingerprint
 from flair_fabric.distributed.lockstep import Lockstep
 from flair_fabric.distributed.sharded_state import whole_tensor
 from flair_fabric.distributed.stalls import Position
-from flair_fabric.evaluation.sharded import evaluate_across_ranks
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
 from flair_fabric.state.progress import RunProgress
@@ -36,6 +34,7 @@ from flair_fabric.state.training_state import (
 )
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import TrainArguments
+from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.participation import Participation, chunks_for_every_rank, find_stand_in_batch
 from flair_fabric.training.progress_bar import EpochProgressBar
@@ -212,6 +211,7 @@ class TrainingRun:
         log_modulo = max(1, int(total / 10))
 
         bar = EpochProgressBar(self.arguments.progress_bar and fabric.is_global_zero, epoch, total)
+        throughput = Throughput(window_size=3)  # Lightning's: samples/s over the last log points, for the bar
         try:
             for batch_no, batch in enumerate(batch_loader):
                 progress.batch_count += 1
@@ -248,7 +248,9 @@ class TrainingRun:
                         f" - samples/sec: {so_far.data_points / elapsed:.2f}"
                         f"{lr_info}{momentum_info}"
                     )
-                    bar.report(so_far.mean, so_far.data_points / elapsed)
+                    throughput.update(time=elapsed, batches=batch_no + 1, samples=so_far.data_points)
+                    recent = throughput.compute().get("device/samples_per_sec", so_far.data_points / elapsed)
+                    bar.report(so_far.mean, recent)  # the counts are global already: the rate is the job's
                 trainer.dispatch("after_training_batch", **batch_kw)
                 bar.step()
         finally:
@@ -302,83 +304,11 @@ class TrainingRun:
 
     def evaluate(self, epoch: int, train_loss: float) -> None:
         """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
-        a, trainer, progress = self.flair_arguments, self.trainer, self.progress
-        trainer.model.eval()
-        is_best = False
-        validation_scores: tuple = ()
-        for split, split_data in self.data.evaluation_splits.items():
-            self.position.at(f"the evaluation of the {split} split", epoch, 0)
-            result = self._evaluate_split(split_data, self.base_path / f"{split}.tsv", embeddings_storage=True)
-            log.info(
-                f"{split.upper()} : loss {result.loss}"
-                f" - {a.main_evaluation_metric[1]}"
-                f" ({a.main_evaluation_metric[0]})"
-                f"  {round(result.main_score, 4)}"
-            )
-            trainer._publish_eval_result(result, split, global_step=epoch)
-            if self.data.best_by_dev_score and split == "dev":
-                validation_scores = result.main_score, result.loss
-                if result.main_score > progress.best_epoch_score:
-                    is_best, progress.best_epoch_score = True, result.main_score
-        if not self.data.best_by_dev_score:
-            validation_scores = (train_loss,)
-            if train_loss < progress.best_epoch_score:
-                is_best, progress.best_epoch_score = True, train_loss
-        trainer.dispatch(
-            "after_evaluation", epoch=epoch, current_model_is_best=is_best, validation_scores=validation_scores
-        )
-        self.agree_on_stopping()
-        if self.data.save_best_model and is_best:
-            log.info("saving best model")
-            trainer.save_model(self.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
-
-    def _evaluate_split(self, data: Dataset, out_path: Path, embeddings_storage: bool, **overrides: Any) -> Result:
-        """flair's evaluation of a split, split across the ranks, with the model the strategy evaluates with."""
-        a = self.flair_arguments
-        options: dict[str, Any] = {
-            "gold_label_type": self.trainer.model.label_type,
-            "mini_batch_size": a.eval_batch_size,
-            "main_evaluation_metric": a.main_evaluation_metric,
-            "gold_label_dictionary": a.gold_label_dictionary_for_eval,
-            "exclude_labels": a.labels_excluded,
-        }
-        if embeddings_storage:  # during training, as flair's trainer evaluates
-            options |= {
-                "embedding_storage_mode": a.embeddings_storage_mode,
-                "embeddings_storage_mode": a.embeddings_storage_mode,
-            }
-            options["gold_label_dictionary_for_eval"] = a.gold_label_dictionary_for_eval
-        options |= overrides
-        with self.strategy.model_for_inference(self.trainer.model) as model:
-            return evaluate_across_ranks(self.fabric, model, data, out_path=out_path, **options)
+        evaluate_epoch(self, epoch, train_loss)
 
     def test(self) -> None:
         """Load the best model on every rank (if there is one) and score the test split, as flair does."""
-        a, trainer, corpus = self.flair_arguments, self.trainer, self.trainer.corpus
-        best_model = self.base_path / "best-model.pt"
-        if corpus.test and not a.train_with_test:
-            log_line(log)
-            trainer.model.eval()
-            if trainer.load_model(best_model):
-                log.info("Loading model from best epoch ...")
-            else:
-                log.info("Testing using last state of model ...")
-            self.position.at("the final evaluation of the test split", 0, 0)
-            results = self._evaluate_split(
-                corpus.test,
-                self.base_path / "test.tsv",
-                embeddings_storage=False,
-                embedding_storage_mode="none",
-                return_loss=False,
-            )
-            log.info(results.detailed_results)
-            log_line(log)
-            trainer.return_values["test_score"] = results.main_score
-        else:
-            if trainer.load_model(best_model):
-                log.info("Loading model from best epoch ...")
-            trainer.return_values["test_score"] = 0
-            log.info("Test data not provided setting final score to 0")
+        test_final_model(self)
 
     # --- agreement, checkpoints ---------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from flair_fabric.state.training_state import (
     save_training_state,
 )
 
-from .support import small_trec, state_dict_difference, tiny_text_classifier
+from ..support import small_trec, state_dict_difference, tiny_text_classifier
 
 # SGD with annealing, shuffled batches and dropout on one device
 ONE_DEVICE = {

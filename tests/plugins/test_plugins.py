@@ -23,8 +23,8 @@ from flair_fabric.datasets import TREC_LABEL_TYPE
 from flair_fabric.strategies.probing import parameters_without_gradient
 from flair_fabric.training.progress_bar import show_progress_bar
 
-from .plugin_support import HookCounter, StepRecorder, StopOnOneRank
-from .support import (
+from ..plugin_support import HookCounter, StepRecorder, StopOnOneRank
+from ..support import (
     UNION,
     make_tiny_bert,
     run_script,

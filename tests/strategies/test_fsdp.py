@@ -15,7 +15,7 @@ from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.state.model_state import copy_model
 from flair_fabric.strategies.fsdp import shard_transformer_layers, transformer_layer_classes
 
-from .support import (
+from ..support import (
     make_tiny_bert,
     run_script,
     small_trec,
@@ -24,8 +24,6 @@ from .support import (
     tiny_transformer_classifier,
     write_config,
 )
-
-pytestmark = pytest.mark.multiprocess
 
 CORPUS = {"train_size": 48}
 # fine_tune: AdamW, linear schedule with warm-up, gradient clipping at flair's default 5.0, the final model
@@ -87,6 +85,7 @@ def _assert_close(expected: list[float], actual: list[float], tolerance: float) 
         assert math.isclose(e, a, rel_tol=tolerance), (expected, actual)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("setting", ["fine_tuned", "annealed"])
 def test_fsdp_trains_like_ddp(fsdp_and_ddp: Path, setting: str) -> None:
     ddp, fsdp = fsdp_and_ddp / f"{setting}-ddp", fsdp_and_ddp / f"{setting}-fsdp"
@@ -105,6 +104,7 @@ def test_fsdp_trains_like_ddp(fsdp_and_ddp: Path, setting: str) -> None:
         assert "resetting to best model" in (fsdp / "training.log").read_text(), "annealing must have restarted"
 
 
+@pytest.mark.multiprocess
 def test_fsdp_holds_at_most_six_tenths_of_the_ddp_parameters_and_optimizer_state(fsdp_and_ddp: Path) -> None:
     for rank in (0, 1):
         ddp = _summary(fsdp_and_ddp / "fine_tuned-ddp", rank)["held_bytes"]
@@ -112,6 +112,7 @@ def test_fsdp_holds_at_most_six_tenths_of_the_ddp_parameters_and_optimizer_state
         assert ddp[0] > 0 and all(held <= 0.6 * ddp[0] for held in fsdp), (rank, fsdp, ddp)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("setting", "model_file"), [("fine_tuned", "final-model.pt"), ("annealed", "best-model.pt")])
 def test_fsdp_model_files_are_ordinary_flair_files(fsdp_and_ddp: Path, setting: str, model_file: str) -> None:
     run_dir = fsdp_and_ddp / f"{setting}-fsdp"
@@ -138,6 +139,7 @@ def test_the_default_policy_shards_each_transformer_layer(tmp_path: Path) -> Non
     ]
 
 
+@pytest.mark.multiprocess
 def test_fsdp_with_forked_workers_and_a_user_policy_gives_the_caller_the_trained_model(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)

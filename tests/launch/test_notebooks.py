@@ -16,7 +16,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from .support import REPO
+from ..support import REPO
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,7 +18,7 @@ from flair.trainers.plugins import MetricHistoryPlugin, TrainerPlugin
 
 from flair_fabric import FabricTrainer
 
-from .support import (
+from ..support import (
     UNION,
     make_tiny_bert,
     run_script,

@@ -14,7 +14,7 @@ from flair.trainers.plugins import MetricHistoryPlugin
 
 from flair_fabric import FabricTrainer
 
-from .support import (
+from ..support import (
     EventRecorder,
     small_trec,
     small_wnut,

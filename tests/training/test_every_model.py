@@ -13,8 +13,8 @@ from torch.utils.data import Subset
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 
-from .model_zoo import NOTHING_TO_LEARN_ON_ODD, ZOO, learns_nothing, rank_batches
-from .support import state_dict_difference
+from ..model_zoo import NOTHING_TO_LEARN_ON_ODD, ZOO, learns_nothing, rank_batches
+from ..support import state_dict_difference
 
 pytestmark = pytest.mark.multiprocess
 

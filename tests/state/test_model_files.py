@@ -9,7 +9,7 @@ from flair.models import TextClassifier
 
 from flair_fabric.state.model_files import save_model_atomically
 
-from .support import small_trec, state_dict_difference, tiny_text_classifier
+from ..support import small_trec, state_dict_difference, tiny_text_classifier
 
 
 def test_a_save_that_fails_midway_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +33,10 @@ from flair_fabric.launch.config import build_fabric, make_launch_config
 from flair_fabric.launch.workers import run_on_every_rank
 from flair_fabric.training.setup import sample_on_global_zero
 
-from .support import (
+from ..support import (
     ANNEALED,
+    REPO,
+    SCRIPTS,
     CountingSequenceTagger,
     CountingTextClassifier,
     small_trec,
@@ -328,3 +336,35 @@ def test_a_label_on_something_outside_the_data_point_cannot_be_moved() -> None:
     sentence.annotation_layers["predicted"] = [Label(elsewhere[0], "X")]
     with pytest.raises(UnsupportedPrediction, match="Token"):
         record_labels(sentence, "predicted")
+
+
+@pytest.mark.multiprocess
+def test_public_evaluate_with_the_script_relaunch_ends_the_job_when_a_rank_raises(tmp_path: Path) -> None:
+    """The same launch path as training: the relaunched rank does not outlive rank 0's error."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "evaluate_failing.py")],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode != 0
+    assert "injected failure while predicting on rank 0" in output
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("a rank outlived the job")

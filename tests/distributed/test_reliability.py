@@ -21,8 +21,8 @@ from flair.models import TextClassifier
 from flair_fabric import FabricTrainer
 from flair_fabric.state.training_state import checkpoint_folder, read_progress
 
-from .plugin_support import FailAt
-from .support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
+from ..plugin_support import FailAt
+from ..support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
 
 pytestmark = pytest.mark.multiprocess
 

@@ -17,7 +17,7 @@ from flair_fabric.launch import config as launch_module
 from flair_fabric.launch.config import make_launch_config, resolve_devices
 from flair_fabric.strategies import deepspeed as deepspeed_module
 
-from .support import EventRecorder, small_trec, tiny_text_classifier
+from ..support import EventRecorder, small_trec, tiny_text_classifier
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,104 @@
+"""Evaluation during a run, as flair's trainer does it: the monitored splits after every epoch (best-model choice,
+identical on every rank) and the final test, each split across the ranks and scored once by flair's own code."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flair.training_utils import Result, log_line
+from torch.utils.data import Dataset
+
+from flair_fabric.evaluation.sharded import evaluate_across_ranks
+
+if TYPE_CHECKING:
+    from flair_fabric.training.run import TrainingRun
+
+log = logging.getLogger("flair")
+
+
+def evaluate_epoch(run: TrainingRun, epoch: int, train_loss: float) -> None:
+    """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
+    a, trainer, progress = run.flair_arguments, run.trainer, run.progress
+    trainer.model.eval()
+    is_best = False
+    validation_scores: tuple = ()
+    for split, split_data in run.data.evaluation_splits.items():
+        run.position.at(f"the evaluation of the {split} split", epoch, 0)
+        result = evaluate_split(run, split_data, run.base_path / f"{split}.tsv", embeddings_storage=True)
+        log.info(
+            f"{split.upper()} : loss {result.loss}"
+            f" - {a.main_evaluation_metric[1]}"
+            f" ({a.main_evaluation_metric[0]})"
+            f"  {round(result.main_score, 4)}"
+        )
+        trainer._publish_eval_result(result, split, global_step=epoch)
+        if run.data.best_by_dev_score and split == "dev":
+            validation_scores = result.main_score, result.loss
+            if result.main_score > progress.best_epoch_score:
+                is_best, progress.best_epoch_score = True, result.main_score
+    if not run.data.best_by_dev_score:
+        validation_scores = (train_loss,)
+        if train_loss < progress.best_epoch_score:
+            is_best, progress.best_epoch_score = True, train_loss
+    trainer.dispatch(
+        "after_evaluation", epoch=epoch, current_model_is_best=is_best, validation_scores=validation_scores
+    )
+    run.agree_on_stopping()
+    if run.data.save_best_model and is_best:
+        log.info("saving best model")
+        trainer.save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
+
+
+def evaluate_split(
+    run: TrainingRun, data: Dataset, out_path: Path, embeddings_storage: bool, **overrides: Any
+) -> Result:
+    """flair's evaluation of a split, split across the ranks, with the model the strategy evaluates with."""
+    a = run.flair_arguments
+    options: dict[str, Any] = {
+        "gold_label_type": run.trainer.model.label_type,
+        "mini_batch_size": a.eval_batch_size,
+        "main_evaluation_metric": a.main_evaluation_metric,
+        "gold_label_dictionary": a.gold_label_dictionary_for_eval,
+        "exclude_labels": a.labels_excluded,
+    }
+    if embeddings_storage:  # during training, as flair's trainer evaluates
+        options |= {
+            "embedding_storage_mode": a.embeddings_storage_mode,
+            "embeddings_storage_mode": a.embeddings_storage_mode,
+        }
+        options["gold_label_dictionary_for_eval"] = a.gold_label_dictionary_for_eval
+    options |= overrides
+    with run.strategy.model_for_inference(run.trainer.model) as model:
+        return evaluate_across_ranks(run.fabric, model, data, out_path=out_path, **options)
+
+
+def test_final_model(run: TrainingRun) -> None:
+    """Load the best model on every rank (if there is one) and score the test split, as flair does."""
+    a, trainer, corpus = run.flair_arguments, run.trainer, run.trainer.corpus
+    best_model = run.base_path / "best-model.pt"
+    if corpus.test and not a.train_with_test:
+        log_line(log)
+        trainer.model.eval()
+        if trainer.load_model(best_model):
+            log.info("Loading model from best epoch ...")
+        else:
+            log.info("Testing using last state of model ...")
+        run.position.at("the final evaluation of the test split", 0, 0)
+        results = evaluate_split(
+            run,
+            corpus.test,
+            run.base_path / "test.tsv",
+            embeddings_storage=False,
+            embedding_storage_mode="none",
+            return_loss=False,
+        )
+        log.info(results.detailed_results)
+        log_line(log)
+        trainer.return_values["test_score"] = results.main_score
+    else:
+        if trainer.load_model(best_model):
+            log.info("Loading model from best epoch ...")
+        trainer.return_values["test_score"] = 0
+        log.info("Test data not provided setting final score to 0")
