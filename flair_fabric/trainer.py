@@ -11,6 +11,7 @@ properties plugins read, and flair's override points.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -20,16 +21,20 @@ from flair.data import Corpus, _len_dataset
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import ReduceTransformerVocabPlugin, TrainingInterrupt
 from lightning.fabric import Fabric
+from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import Subset
 
 from flair_fabric.distributed.lockstep import DEFERRED_EVENTS
 from flair_fabric.distributed.stalls import explain_timeouts
 from flair_fabric.launch.config import build_fabric, make_launch_config
+from flair_fabric.launch.environment import restarted_by_torchrun
 from flair_fabric.launch.workers import run_on_every_rank, starts_workers
 from flair_fabric.state.model_files import check_writable_folder, load_from_global_zero, save_on_global_zero
+from flair_fabric.state.policy import REQUEUE_EXIT_CODE, CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, with_flair_signature
+from flair_fabric.training.checkpointing import Preempted
 from flair_fabric.training.in_workers import TrainedInWorker, WorkerJob, take_final_model_written_since, train_in_worker
 from flair_fabric.training.progress_bar import show_progress_bar
 from flair_fabric.training.run import TrainingRun
@@ -118,6 +123,10 @@ class FabricTrainer(ModelTrainer):
         precision: str | int | None = None,
         progress_bar: bool | None = None,
         checkpoint_every_n_epochs: int = 0,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_every_n_minutes: float | None = None,
+        keep_checkpoints: int = 1,
+        requeue_signal: Any = signal.SIGUSR1,
         resume_from: str | Path | None = None,
         collective_timeout: Any = None,
         **kwargs: Any,
@@ -137,30 +146,44 @@ class FabricTrainer(ModelTrainer):
             use_amp=flair_arguments.use_amp,
             collective_timeout=collective_timeout,
         )
+        checkpoints = CheckpointPolicy.checked(
+            every_n_epochs=checkpoint_every_n_epochs,
+            every_n_steps=checkpoint_every_n_steps,
+            every_n_minutes=checkpoint_every_n_minutes,
+            keep=keep_checkpoints,
+            requeue_signal=requeue_signal,
+        )
+        if resume_from is None and restarted_by_torchrun():
+            resume_from = "auto"  # an elastic restart continues from the last checkpoint
         resume_folder, start_epoch = checkpoint_to_resume(
-            self.model, flair_arguments.base_path, flair_arguments.epoch, checkpoint_every_n_epochs, resume_from
+            self.model, flair_arguments.base_path, flair_arguments.epoch, resume_from
         )
         arguments = TrainArguments(
             flair=flair_arguments,
             launch=launch,
             progress_bar=show_progress_bar(progress_bar, is_global_zero=True),
-            checkpoint_every_n_epochs=checkpoint_every_n_epochs,
+            checkpoints=checkpoints,
             resume_folder=resume_folder,
             start_epoch=start_epoch,
         )
         fabric = build_fabric(launch)
         self._check_run(arguments, fabric)
+        preemption = checkpoints.requeue_signal
         if not starts_workers(fabric):
-            return run_on_every_rank(fabric, self.train_on_rank, arguments, launch.collective_timeout)
+            return run_on_every_rank(fabric, self.train_on_rank, arguments, launch.collective_timeout, preemption)
         # spawned or forked workers train copies: the caller's model then becomes what rank 0's model is at the end
         job = WorkerJob(type(self), self.model, self.corpus, arguments)
         started = time.time()
         try:
             trained = run_on_every_rank(
-                fabric, train_in_worker, job, launch.collective_timeout, result_types=[TrainedInWorker]
+                fabric, train_in_worker, job, launch.collective_timeout, preemption, result_types=[TrainedInWorker]
             )
         except KeyboardInterrupt:
             take_final_model_written_since(self.model, flair_arguments.base_path, started)
+            raise
+        except ProcessExitedException as exited:
+            if exited.exit_code == REQUEUE_EXIT_CODE:  # the workers were preempted and wrote their checkpoint
+                raise SystemExit(REQUEUE_EXIT_CODE) from None
             raise
         return trained.hand_to(self.model)
 
@@ -188,10 +211,12 @@ class FabricTrainer(ModelTrainer):
     def train_on_rank(self, fabric: Fabric, arguments: TrainArguments) -> dict:
         """flair's ``train_custom`` on one rank (called by the launch path); every rank returns rank 0's values."""
         self._fabric = fabric
-        self._run = TrainingRun(self, fabric, arguments)
+        self._run = run = TrainingRun(self, fabric, arguments)
         try:
-            with explain_timeouts(fabric, self._run.position, arguments.collective_timeout):
-                return self._run.run()
+            with explain_timeouts(fabric, run.position, arguments.collective_timeout):
+                return run.run()
+        except Preempted as preempted:
+            raise SystemExit(run.checkpointing.requeue(str(preempted))) from None
         finally:
             self._run = None
 
@@ -206,7 +231,7 @@ class FabricTrainer(ModelTrainer):
     def dispatch(self, event: str, *args: Any, **kwargs: Any) -> None:
         """flair's event dispatch; with several processes a plugin's ``TrainingInterrupt`` inside the epoch loop waits
         for the next point where all ranks agree to stop (see :mod:`flair_fabric.distributed.lockstep`)."""
-        lockstep = self._run.lockstep if self._run is not None else None
+        lockstep = self._run.lockstep if self._run is not None and self.world_size > 1 else None
         if lockstep is None or event not in DEFERRED_EVENTS:
             return super().dispatch(event, *args, **kwargs)
         try:

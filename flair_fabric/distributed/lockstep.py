@@ -14,6 +14,9 @@ step).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import cast
+
 import torch
 from flair.trainers.plugins import TrainingInterrupt
 from lightning.fabric import Fabric
@@ -34,13 +37,29 @@ DEFERRED_EVENTS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on at one agreement point (when they did not stop)."""
+
+    values: list[float]
+    """The summed values."""
+    checkpoint: bool = False
+    """Global rank 0 asks for a checkpoint now (its clock said so)."""
+    preempted: str | None = None
+    """The preemption signal a rank received: checkpoint, then end the job for a requeue."""
+
+
 class Lockstep:
-    """Holds a rank's pending stop and makes all ranks agree on it."""
+    """Holds a rank's pending stop, checkpoint request or preemption and makes all ranks agree on them."""
+
+    SLOTS = 3  # per rank: stop (2 a signal, 1 a plugin), checkpoint request, preemption
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
         self.pending: TrainingInterrupt | None = None
         self.signal: str | None = None
+        self.checkpoint_requested = False
+        self.preemption: str | None = None
 
     def hold(self, stop: TrainingInterrupt) -> None:
         """Keep this rank's stop (the first one) until the ranks next agree."""
@@ -51,28 +70,51 @@ class Lockstep:
         """Note a signal this rank received; every rank stops when the ranks next agree."""
         self.signal = self.signal or signal_name
 
-    def agree(self, *values: torch.Tensor) -> list[float]:
-        """All ranks: sum ``values`` over the ranks and learn whether any rank stopped; if one did, every rank
-        raises ``TrainingInterrupt`` here. Returns the summed values."""
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint at the next agreement (global rank 0's clock)."""
+        self.checkpoint_requested = True
+
+    def preempt(self, signal_name: str) -> None:
+        """Note a preemption signal; every rank checkpoints and ends when the ranks next agree."""
+        self.preemption = self.preemption or signal_name
+
+    def agree(self, *values: torch.Tensor) -> Agreed:
+        """All ranks: sum ``values`` over the ranks and learn what any rank holds. A preemption or a checkpoint
+        request is returned; otherwise, if a rank stopped, every rank raises here (``KeyboardInterrupt`` for a
+        signal, ``TrainingInterrupt`` for a plugin's stop). One collective, none in one process."""
         fabric = self.fabric
         dtype = accumulator_dtype(fabric.device)
-        stopped_here = torch.zeros(fabric.world_size, dtype=dtype, device=fabric.device)
-        # per rank: 2 for a signal, 1 for a plugin's stop, 0 for none
-        stopped_here[fabric.global_rank] = 2.0 if self.signal is not None else float(self.pending is not None)
-        packed = torch.cat([stopped_here, *(value.detach().to(fabric.device, dtype).reshape(1) for value in values)])
-        summed = fabric.all_reduce(packed, reduce_op="sum")
-        assert isinstance(summed, torch.Tensor)
-        numbers = summed.tolist()
-        signalled = [rank for rank in range(fabric.world_size) if numbers[rank] > 1]
+        flags = torch.zeros(fabric.world_size * self.SLOTS, dtype=dtype, device=fabric.device)
+        mine = fabric.global_rank * self.SLOTS
+        flags[mine] = 2.0 if self.signal is not None else float(self.pending is not None)
+        flags[mine + 1] = float(self.checkpoint_requested)
+        flags[mine + 2] = float(self.preemption is not None)
+        packed = torch.cat([flags, *(value.detach().to(fabric.device, dtype).reshape(1) for value in values)])
+        if fabric.world_size > 1:
+            packed = cast(torch.Tensor, fabric.all_reduce(packed, reduce_op="sum"))
+        numbers = packed.tolist()
+        per_rank = [numbers[rank * self.SLOTS : (rank + 1) * self.SLOTS] for rank in range(fabric.world_size)]
+        summed = numbers[fabric.world_size * self.SLOTS :]
+        self.checkpoint_requested = False
+        preempted = [rank for rank, slots in enumerate(per_rank) if slots[2] > 0]
+        if preempted:
+            name = self._from(preempted[0], self.preemption)
+            self.preemption = None
+            return Agreed(summed, checkpoint=True, preempted=f"{name} received by rank {preempted[0]}")
+        signalled = [rank for rank, slots in enumerate(per_rank) if slots[0] > 1]
         if signalled:
-            first = signalled[0]
-            name = fabric.broadcast(self.signal if fabric.global_rank == first else None, src=first)
+            name = self._from(signalled[0], self.signal)
             self.signal = self.pending = None
-            raise KeyboardInterrupt(f"{name} received by rank {first}; every rank stops here")
-        stopped = [rank for rank in range(fabric.world_size) if numbers[rank] > 0]
+            raise KeyboardInterrupt(f"{name} received by rank {signalled[0]}; every rank stops here")
+        stopped = [rank for rank, slots in enumerate(per_rank) if slots[0] > 0]
         if stopped:
-            first = stopped[0]
-            reason = fabric.broadcast(str(self.pending) if fabric.global_rank == first else None, src=first)
+            reason = self._from(stopped[0], str(self.pending))
             self.pending = None
-            raise TrainingInterrupt(f"{reason} (stopped by rank {first}; every rank stops here)")
-        return numbers[fabric.world_size :]
+            raise TrainingInterrupt(f"{reason} (stopped by rank {stopped[0]}; every rank stops here)")
+        return Agreed(summed, checkpoint=any(slots[1] > 0 for slots in per_rank))
+
+    def _from(self, rank: int, value: str | None) -> str:
+        """``value`` as rank ``rank`` holds it, on every rank."""
+        if self.fabric.world_size == 1:
+            return str(value)
+        return str(self.fabric.broadcast(value if self.fabric.global_rank == rank else None, src=rank))

@@ -31,6 +31,7 @@ from flair_fabric.launch.environment import (
     external_launch,
     is_interactive,
     quiet_lightning_banner,
+    use_this_ranks_gpu,
 )
 from flair_fabric.strategies import LAUNCHING_STRATEGIES, check_strategy, is_supported
 from flair_fabric.strategies.base import StartMethod
@@ -40,6 +41,7 @@ from flair_fabric.strategies.fsdp import FlairFSDPStrategy
 
 log = logging.getLogger("flair")
 quiet_lightning_banner()  # every process of a run imports this module before Lightning initialises the group
+use_this_ranks_gpu()  # before the user's script builds its model on flair's default device
 
 DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy

@@ -45,6 +45,25 @@ def external_launch() -> ExternalLaunch | None:
     return None
 
 
+def use_this_ranks_gpu() -> None:
+    """In a rank started by a launcher (``LOCAL_RANK`` set: the script relaunch, torchrun, SLURM through Lightning's
+    environment): point flair's default device at this rank's GPU before the script builds its model, so that not
+    every rank builds it on cuda:0 first (a context and a model copy on GPU 0 per rank). Only flair's default is
+    changed; a device the user chose is kept. Fabric sets the device for training itself."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None or not local_rank.isdigit() or not torch.cuda.is_available():
+        return
+    import flair
+
+    if flair.device.type == "cuda" and flair.device.index in (None, 0):
+        flair.device = torch.device("cuda", int(local_rank) % max(torch.cuda.device_count(), 1))
+
+
+def restarted_by_torchrun() -> bool:
+    """Whether torchrun restarted the workers after a failure (``--max-restarts``): ``TORCHELASTIC_RESTART_COUNT``."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
 def is_interactive() -> bool:
     """Whether Python runs interactively (a notebook or a REPL), where a script cannot be relaunched."""
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)

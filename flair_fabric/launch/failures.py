@@ -68,10 +68,19 @@ FORWARDED_SIGNAL = signal.SIGUSR2
 Ctrl-C alone): a SIGINT that a worker which got the SIGINT itself (sent to the whole process group) ignores."""
 
 _received: list[str] = []  # the signals this process got since its outermost graceful block began
-_consumers: list[Callable[[str], None]] = []  # who is told of the first one: the innermost block's function
+_preempted: list[str] = []  # the preemption signal this process got since then
+_preemption_signals: set[int] = set()  # the signals that mean "checkpoint, then end for a requeue"
+Consumer = tuple[Callable[[str], None], Callable[[str], None] | None]
+_consumers: list[Consumer] = []  # who is told of the first one: the innermost block's functions
 
 
 def _handle(signum: int, frame: Any) -> None:
+    if signum in _preemption_signals:  # never escalates: the scheduler may send it more than once
+        if not _preempted:
+            _preempted.append(signal.Signals(signum).name)
+            if _consumers and _consumers[-1][1] is not None:
+                _consumers[-1][1](_preempted[0])
+        return
     forwarded = signum == FORWARDED_SIGNAL
     name = "SIGINT" if forwarded else signal.Signals(signum).name
     if _received:
@@ -80,7 +89,7 @@ def _handle(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"{name} received a second time")
     _received.append(name)
     if _consumers:
-        _consumers[-1](name)
+        _consumers[-1][0](name)
 
 
 def forget_inherited_interrupts() -> None:
@@ -90,9 +99,14 @@ def forget_inherited_interrupts() -> None:
 
 
 @contextlib.contextmanager
-def graceful_interrupts(on_signal: Callable[[str], None]) -> Iterator[None]:
+def graceful_interrupts(
+    on_signal: Callable[[str], None],
+    on_preemption: Callable[[str], None] | None = None,
+    preemption_signal: signal.Signals | None = None,
+) -> Iterator[None]:
     """Inside the block the first SIGINT or SIGTERM (or :data:`FORWARDED_SIGNAL`) calls ``on_signal(name)`` instead
-    of interrupting; a second SIGINT or SIGTERM raises ``KeyboardInterrupt`` at once.
+    of interrupting; a second SIGINT or SIGTERM raises ``KeyboardInterrupt`` at once. ``preemption_signal`` (e.g.
+    SIGUSR1 from SLURM before a time limit; it may also be SIGTERM) calls ``on_preemption(name)``, once.
 
     Blocks nest: the innermost one is told, and a block that begins after a signal was held by an outer one is told
     of it at once. Only in the main thread (elsewhere signals cannot be handled)."""
@@ -100,18 +114,30 @@ def graceful_interrupts(on_signal: Callable[[str], None]) -> Iterator[None]:
         yield
         return
     outermost = not _consumers
-    previous = {number: signal.getsignal(number) for number in (*GRACEFUL_SIGNALS, FORWARDED_SIGNAL)}
-    if outermost:
-        for number in previous:
+    numbers = [*GRACEFUL_SIGNALS, FORWARDED_SIGNAL]
+    added_preemption = preemption_signal is not None and preemption_signal not in _preemption_signals
+    if preemption_signal is not None and preemption_signal not in numbers:
+        numbers.append(preemption_signal)
+    previous = {number: signal.getsignal(number) for number in numbers}
+    if added_preemption:
+        _preemption_signals.add(int(preemption_signal))  # type: ignore[arg-type]
+    for number in numbers:
+        if outermost or signal.getsignal(number) is not _handle:
             signal.signal(number, _handle)
-    _consumers.append(on_signal)
+    _consumers.append((on_signal, on_preemption))
     try:
         if _received:
             on_signal(_received[0])
+        if _preempted and on_preemption is not None:
+            on_preemption(_preempted[0])
         yield
     finally:
         _consumers.pop()
+        if added_preemption:
+            _preemption_signals.discard(int(preemption_signal))  # type: ignore[arg-type]
         if outermost:
             _received.clear()
-            for number, handler in previous.items():
+            _preempted.clear()
+        for number, handler in previous.items():
+            if outermost or handler is not _handle:
                 signal.signal(number, handler)

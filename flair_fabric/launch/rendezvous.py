@@ -6,8 +6,9 @@ script relaunch, spawned or forked workers), the starting process hosts the stor
 binds to ``127.0.0.1`` and holds from the moment the port is chosen (so no other program can take the port while the
 workers import, which made ``ddp_spawn`` fail with ``EADDRINUSE``), and every rank connects to it as a client (the
 same arrangement as under torchrun's agent, ``TORCHELASTIC_USE_AGENT_STORE``). gloo and NCCL are told to use the
-loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the user set them). Runs on several
-machines, and runs that torchrun or SLURM started, keep the addresses they were given (see ``docs/security.md``).
+loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the user set them). Under SLURM on one
+node task 0 hosts it on loopback; under torchrun global rank 0 hosts one per attempt (:func:`torchrun_rendezvous`).
+Runs on several machines keep the addresses they were given (see ``docs/security.md``).
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ class HostedStore:
         return int(self.listener.getsockname()[1])
 
 
-def host_store(timeout: timedelta, port: int = 0) -> HostedStore:
-    """Start a rendezvous store server on a loopback port bound now (``0``: any free one); the ranks connect to it as
-    clients."""
+def host_store(timeout: timedelta, port: int = 0, address: str = LOOPBACK) -> HostedStore:
+    """Start a rendezvous store server on a port bound now (``0``: any free one) of ``address`` (loopback by
+    default); the ranks connect to it as clients."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, port))
+    listener.bind((address, port))
     listener.listen(128)
     store = TCPStore(
-        LOOPBACK,
+        address,
         listener.getsockname()[1],
         is_master=True,
         wait_for_workers=False,
@@ -101,8 +102,33 @@ def loopback_rendezvous(
 
 
 @contextmanager
+def torchrun_rendezvous(timeout: timedelta, *, single_node: bool) -> Iterator[None]:
+    """Under torchrun: a store of this attempt's own, hosted by global rank 0 and announced through torchrun's agent
+    store, which every attempt shares. (Keys of an earlier attempt left in the agent's store would send a restarted
+    rank to a dead peer: gloo's "Connection refused" after ``--max-restarts``.) On one node it listens on loopback
+    and the collectives use the loopback interface; on several nodes on ``MASTER_ADDR``."""
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = (
+        f"flair_fabric/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    address = LOOPBACK if single_node else socket.gethostbyname(os.environ["MASTER_ADDR"])
+    if int(os.environ["RANK"]) == 0:
+        hosted = host_store(timeout, address=address)
+        _kept_for_this_process.append(hosted)  # the process group uses it for the rest of this process
+        agent.set(f"{attempt}/store", f"{address}:{hosted.port}")
+    host, port = agent.get(f"{attempt}/store").decode().rsplit(":", 1)  # waits for rank 0
+    interface = loopback_interface() if single_node else None
+    with environment_restored(*_VARIABLES):
+        os.environ.update({"MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        yield
+
+
+@contextmanager
 def loopback_interface_only() -> Iterator[None]:
-    """gloo and NCCL on the loopback interface (a one-machine run that torchrun started: its store is torchrun's)."""
+    """gloo and NCCL on the loopback interface (a one-machine run whose store another program hosts)."""
     interface = loopback_interface()
     with environment_restored("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if interface is not None:

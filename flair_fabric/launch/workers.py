@@ -20,6 +20,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -41,7 +42,7 @@ from flair_fabric.launch.failures import (
     graceful_interrupts,
     stop_started_processes,
 )
-from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous
+from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous, torchrun_rendezvous
 from flair_fabric.state.safe_loading import load_data, save_private
 from flair_fabric.strategies import LAUNCHING_STRATEGIES
 
@@ -74,12 +75,16 @@ def _rendezvous(fabric: Fabric, timeout: timedelta) -> contextlib.AbstractContex
     if starts_every_process_here(fabric):
         return loopback_rendezvous(timeout, keep=not starts_workers(fabric))
     launched = external_launch()
-    if launched is None or launched.num_nodes != 1 or fabric.world_size == 1:
+    if launched is None or fabric.world_size == 1:
+        return contextlib.nullcontext()
+    if launched.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return torchrun_rendezvous(timeout, single_node=launched.num_nodes == 1)
+    if launched.num_nodes != 1:
         return contextlib.nullcontext()  # several machines: the addresses the user gave
     if launched.launcher == "SLURM":  # task 0 hosts the store on the port SLURM's environment names
         port = fabric.strategy.cluster_environment.main_port  # type: ignore[attr-defined]
         return loopback_rendezvous(timeout, keep=True, port=port, host=os.environ.get("SLURM_PROCID") == "0")
-    return loopback_interface_only()  # torchrun hosts its own store
+    return loopback_interface_only()  # torchrun without its agent's store: its store is rank 0's own
 
 
 def run_on_every_rank(
@@ -87,6 +92,7 @@ def run_on_every_rank(
     function: Callable[[Fabric, Job], Result],
     job: Job,
     timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+    preemption_signal: signal.Signals | None = None,
     result_types: Iterable[type] = (),
 ) -> Result:
     """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers.
@@ -106,28 +112,43 @@ def run_on_every_rank(
             except BaseException:
                 stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
                 raise
-        return _run_in_workers(fabric, function, job, result_types)
+        return _run_in_workers(fabric, function, job, result_types, preemption_signal)
 
 
 def _run_in_workers(
-    fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job, result_types: Iterable[type]
+    fabric: Fabric,
+    function: Callable[[Fabric, Job], Result],
+    job: Job,
+    result_types: Iterable[type],
+    preemption_signal: signal.Signals | None,
 ) -> Result:
     assert isinstance(fabric.strategy, LAUNCHING_STRATEGIES)
     payload = transport.dumps(job) if fabric.strategy.start_method == "spawn" else job
     existing = set(multiprocessing.active_children())
     interrupted: list[str] = []
 
-    def pass_on(signal_name: str) -> None:
-        interrupted.append(signal_name)
+    def send(number: int) -> None:
         for worker in set(multiprocessing.active_children()) - existing:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.pid, FORWARDED_SIGNAL)  # type: ignore[arg-type]
+                os.kill(worker.pid, number)  # type: ignore[arg-type]
+
+    def pass_on(signal_name: str) -> None:
+        interrupted.append(signal_name)
+        send(FORWARDED_SIGNAL)
+
+    def pass_on_preemption(signal_name: str) -> None:  # the workers take it once, however often it comes
+        assert preemption_signal is not None
+        send(preemption_signal)
 
     with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:  # 0o700: the user's alone
         handoff = Path(handoff_dir) / "rank0-result.pt"
         try:
-            with environment_restored("MASTER_PORT"), graceful_interrupts(pass_on):
-                fabric.launch(functools.partial(_run_in_worker, function=function, job=payload, handoff=handoff))
+            held = graceful_interrupts(pass_on, pass_on_preemption, preemption_signal)
+            with environment_restored("MASTER_PORT"), held:
+                run = functools.partial(
+                    _run_in_worker, function=function, job=payload, handoff=handoff, preemption=preemption_signal
+                )
+                fabric.launch(run)
         except BaseException as error:
             stopped = _stop_and_reap(set(multiprocessing.active_children()) - existing)
             if interrupted or isinstance(error, KeyboardInterrupt):
@@ -175,12 +196,18 @@ def _stop_and_reap(workers: set[multiprocessing.process.BaseProcess], grace_seco
     return killed
 
 
-def _run_in_worker(fabric: Fabric, function: Callable[[Fabric, Any], Any], job: Any, handoff: Path) -> None:
+def _run_in_worker(
+    fabric: Fabric,
+    function: Callable[[Fabric, Any], Any],
+    job: Any,
+    handoff: Path,
+    preemption: signal.Signals | None = None,
+) -> None:
     """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``.
 
     Signals are held from the start: a Ctrl-C during set-up stops every rank at the first agreement point."""
     forget_inherited_interrupts()
-    with graceful_interrupts(lambda signal_name: None):
+    with graceful_interrupts(lambda signal_name: None, lambda signal_name: None, preemption):
         flair.device = fabric.device  # before the job is rebuilt: flair models move to flair.device when made
         if isinstance(job, bytes):
             cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []

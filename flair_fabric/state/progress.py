@@ -21,3 +21,7 @@ class RunProgress:
     """The number of processes of the run that wrote it."""
     model_fingerprint: dict[str, str] = field(default_factory=dict)
     """The model's structure and dictionaries, to check that a resume continues the same model."""
+    step_in_epoch: int = 0
+    """Steps done in the epoch after ``epoch`` (0 at an epoch's end): where a mid-epoch resume continues."""
+    epoch_position: int = 0
+    """Data points of that epoch's order the ranks have read (to continue on another number of processes)."""

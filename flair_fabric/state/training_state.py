@@ -1,16 +1,18 @@
-"""Resumable training state: one checkpoint folder per run, replaced atomically, read back exactly.
+"""Resumable training state: checkpoints written atomically, kept k at a time, read back exactly, mid-epoch too.
 
-``base_path/checkpoint/`` holds
+``base_path/checkpoints/step-<steps>/`` holds one checkpoint, taken after ``<steps>`` optimizer steps:
 
 - ``state.ckpt``: the model and the optimizer through ``fabric.save`` (one file from rank 0, or under ``"fsdp"`` a
   sharded distributed checkpoint written by every rank),
-- ``extras.pt``: the state of the plugins' schedulers, the gradient scaler, and the random number generators of
-  every rank,
-- ``progress.json``: completed epochs, optimizer steps, best score so far, the data-order seed, the world size and
-  the model's fingerprint (read before any process starts, to check a resume).
+- ``extras.pt``: the plugins' schedulers, the gradient scaler, and every rank's own state: its random number
+  generators (now and at the start of the epoch, which decided the epoch's data order in one process) and its part
+  of the epoch's train loss,
+- ``progress.json``: the run's :class:`~flair_fabric.state.progress.RunProgress` (epochs, steps, the position in the
+  epoch, best score, data-order seed, world size, model fingerprint), read before any process starts.
 
-A new checkpoint is written into ``.checkpoint.tmp/`` and then takes the place of the old one by renames; until
-the new one is complete the old one stays where it was, so a crash during a save never leaves a broken checkpoint.
+A checkpoint is written into ``.step-<steps>.tmp/`` and renamed into place when it is complete on every rank; only
+then is it the newest, and only then are the oldest beyond ``keep_checkpoints`` removed. ``resume_from="auto"``
+takes the newest complete one; a crash during a save leaves the previous ones as they were.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import random
 import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
@@ -28,75 +31,78 @@ import flair
 import numpy as np
 import torch
 from lightning.fabric import Fabric
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from flair_fabric.distributed.collectives import gather_to_global_zero
 from flair_fabric.distributed.fingerprints import differences, model_fingerprint
+from flair_fabric.distributed.sharded_state import is_sharded
 from flair_fabric.distributed.stalls import wait_for_global_zero
 from flair_fabric.state.progress import RunProgress
-from flair_fabric.state.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load
+from flair_fabric.state.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load, load_data
 
 log = logging.getLogger("flair")
 
-FOLDER = "checkpoint"
+FOLDER = "checkpoints"
 PROGRESS = "progress.json"
 
 
-def checkpoint_folder(base_path: str | Path) -> Path:
-    """Where a run in ``base_path`` keeps its checkpoint."""
+def checkpoints_folder(base_path: str | Path) -> Path:
+    """Where a run in ``base_path`` keeps its checkpoints."""
     return Path(base_path) / FOLDER
 
 
-def _previous(folder: Path) -> Path:
-    return folder.parent / f".{folder.name}.old"
+def checkpoint_name(batch_count: int) -> str:
+    """The folder name of the checkpoint taken after ``batch_count`` optimizer steps."""
+    return f"step-{batch_count:09d}"
 
 
-def _temporary(folder: Path) -> Path:
-    return folder.parent / f".{folder.name}.tmp"
+def complete_checkpoints(base_path: str | Path) -> list[Path]:
+    """The complete checkpoints of the run in ``base_path``, oldest first."""
+    folder = checkpoints_folder(base_path)
+    if not folder.is_dir():
+        return []
+    found = [path for path in folder.glob("step-*") if path.is_dir() and (path / PROGRESS).is_file()]
+    return sorted(found, key=lambda path: path.name)
+
+
+def newest_checkpoint(base_path: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run in ``base_path``, if there is one."""
+    found = complete_checkpoints(base_path)
+    return found[-1] if found else None
 
 
 def find_checkpoint(resume_from: str | Path | None, base_path: str | Path) -> Path | None:
-    """The checkpoint folder ``resume_from`` names: ``None``, ``"auto"`` (the run's own, if there is one) or a path."""
+    """The checkpoint ``resume_from`` names: ``None``, ``"auto"`` (the run's newest, if any) or a folder."""
     if resume_from is None:
         return None
     if resume_from == "auto":
-        folder = checkpoint_folder(base_path)
-        for candidate in (folder, _previous(folder)):  # the old one is complete while a new one replaces it
-            if (candidate / PROGRESS).is_file():
-                return candidate
-        return None
+        return newest_checkpoint(base_path)
     folder = Path(resume_from)
     if folder.name in ("state.ckpt", "extras.pt", PROGRESS):  # a file inside the checkpoint folder
         folder = folder.parent
+    if folder.name == FOLDER and not (folder / PROGRESS).is_file():  # the run's checkpoints folder: its newest
+        newest = newest_checkpoint(folder.parent)
+        folder = newest if newest is not None else folder
     if not (folder / PROGRESS).is_file():
         raise ValueError(
-            f"resume_from={str(resume_from)!r} is not a flair-fabric checkpoint (no {PROGRESS} in it): pass the"
-            f" '{FOLDER}' folder a run with checkpoint_every_n_epochs wrote, or resume_from='auto'."
+            f"resume_from={str(resume_from)!r} is not a flair-fabric checkpoint (no {PROGRESS} in it): pass a"
+            f" '{FOLDER}/step-...' folder a run with checkpoints wrote, or resume_from='auto'."
         )
     return folder
 
 
 def checkpoint_to_resume(
-    model: flair.nn.Model,
-    base_path: Path,
-    epoch: int,
-    checkpoint_every_n_epochs: int,
-    resume_from: str | Path | None,
+    model: flair.nn.Model, base_path: Path, epoch: int, resume_from: str | Path | None
 ) -> tuple[Path | None, int]:
-    """Check the checkpoint arguments and the checkpoint ``model`` resumes from, before any process starts.
+    """Check the checkpoint ``model`` resumes from, before any process starts.
 
     Returns the checkpoint folder (``None`` for a fresh start) and the number of epochs the run starts after: the
     checkpoint's, or flair's own ``epoch`` argument."""
-    if isinstance(checkpoint_every_n_epochs, bool) or not isinstance(checkpoint_every_n_epochs, int):
-        raise ValueError(
-            f"checkpoint_every_n_epochs={checkpoint_every_n_epochs!r} is not valid: pass a number of epochs"
-            " (0 for no checkpoints)."
-        )
-    if checkpoint_every_n_epochs < 0:
-        raise ValueError(f"checkpoint_every_n_epochs={checkpoint_every_n_epochs} is not valid: pass 0 or more.")
     folder = find_checkpoint(resume_from, base_path)
     if folder is None:
         if resume_from == "auto":
-            log.info(f"resume_from='auto': no checkpoint in {checkpoint_folder(base_path)}, starting afresh")
+            log.info(f"resume_from='auto': no checkpoint in {checkpoints_folder(base_path)}, starting afresh")
         return None, epoch
     try:
         progress = check_checkpoint_folder(folder)
@@ -166,19 +172,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for index, generator in enumerate(state["cuda"][: torch.cuda.device_count()]):  # fewer GPUs visible now
+            torch.cuda.set_rng_state(generator, index)
 
 
 # --- plugin state ---------------------------------------------------------------------------------------------------
 
 
 def _schedulers(plugins: list[Any]) -> dict[str, Any]:
-    """The learning-rate schedulers flair's functional plugins keep (``plugin.scheduler``), by a stable key."""
+    """The learning-rate schedulers flair's functional plugins keep (``plugin.scheduler``), by a stable key: flair's
+    plugin class (flair-fabric's versions for several processes share their flair class's key, so a checkpoint of
+    one number of processes resumes on another) and a count."""
     schedulers: dict[str, Any] = {}
     for plugin in plugins:  # keyed by class and count: logger plugins exist on global rank 0 only
         scheduler = getattr(plugin, "scheduler", None)
         if scheduler is not None and hasattr(scheduler, "state_dict"):
-            name = type(plugin).__name__
+            flairs = next((cls for cls in type(plugin).__mro__ if cls.__module__.startswith("flair.")), type(plugin))
+            name = flairs.__name__
             count = sum(key.startswith(f"{name}#") for key in schedulers)
             schedulers[f"{name}#{count}"] = scheduler
     return schedulers
@@ -188,16 +198,23 @@ def _schedulers(plugins: list[Any]) -> dict[str, Any]:
 
 
 def save_training_state(
-    fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any], progress: RunProgress
-) -> None:
-    """Write the complete training state to ``folder``, replacing what was there only once it is complete.
-
-    A collective: every rank must call it.
-    """
-    rng = gather_to_global_zero(fabric, rng_state())  # every rank's generators, for rank 0 to write
-    temporary = _temporary(folder)
+    fabric: Fabric,
+    base_path: Path,
+    module: Any,
+    optimizer: Any,
+    plugins: list[Any],
+    progress: RunProgress,
+    rank_state: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write a complete checkpoint of the run in ``base_path`` (``rank_state``: this rank's own part) and keep the
+    newest ``keep``. Returns its folder. A collective: every rank must call it."""
+    every_rank = gather_to_global_zero(fabric, {**rank_state, "rng": rng_state()})  # for rank 0 to write
+    folder = checkpoints_folder(base_path) / checkpoint_name(progress.batch_count)
+    temporary = folder.parent / f".{folder.name}.tmp"
     if fabric.is_global_zero:
-        shutil.rmtree(temporary, ignore_errors=True)
+        for unfinished in folder.parent.glob(".step-*.tmp"):  # writes a crash interrupted
+            shutil.rmtree(unfinished, ignore_errors=True)
         temporary.mkdir(parents=True, mode=0o700)  # private to the user while it is written
     fabric.barrier()
     fabric.save(temporary / "state.ckpt", {"model": module, "optimizer": optimizer})
@@ -206,13 +223,17 @@ def save_training_state(
         extras = {
             "schedulers": {key: scheduler.state_dict() for key, scheduler in _schedulers(plugins).items()},
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng,
+            "ranks": every_rank,
         }
         torch.save(extras, temporary / "extras.pt")
         (temporary / PROGRESS).write_text(json.dumps(asdict(progress), indent=2), encoding="utf-8")
         _make_private(temporary)
-        _replace_folder(temporary, folder)
+        shutil.rmtree(folder, ignore_errors=True)  # the same step saved before (an epoch end on a step trigger)
+        os.replace(temporary, folder)  # from here on it is the newest complete checkpoint
+        for old in complete_checkpoints(base_path)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     wait_for_global_zero(fabric)
+    return folder
 
 
 def _make_private(folder: Path) -> None:
@@ -221,25 +242,13 @@ def _make_private(folder: Path) -> None:
         path.chmod(0o700 if path.is_dir() else 0o600)
 
 
-def _replace_folder(new: Path, folder: Path) -> None:
-    previous = _previous(folder)
-    if folder.exists():
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(folder, previous)
-    os.replace(new, folder)
-    shutil.rmtree(previous, ignore_errors=True)
-
-
 def load_training_state(
     fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any]
-) -> tuple[RunProgress, dict[str, Any] | None]:
-    """Load model, optimizer, schedulers and scaler from ``folder``; return the progress and this rank's random
-    number generator state (``None`` if the checkpoint was written with another number of processes).
-
-    A collective: every rank must call it.
-    """
+) -> tuple[RunProgress, list[dict[str, Any]]]:
+    """Load model, optimizer, schedulers and scaler from ``folder``; return the progress and every rank's own state
+    as the run that wrote it kept it (its generators, its part of the epoch's loss). A collective."""
     progress = read_progress(folder)
-    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer}, weights_only=True)
+    load_model_and_optimizer(fabric, folder / "state.ckpt", module, optimizer)
     extras = checked_load(folder / "extras.pt")
     schedulers = _schedulers(plugins)
     if schedulers.keys() != extras["schedulers"].keys():
@@ -252,19 +261,31 @@ def load_training_state(
     scaler = getattr(fabric.strategy.precision, "scaler", None)
     if scaler is not None and extras["scaler"] is not None:
         scaler.load_state_dict(extras["scaler"])
-    if progress.world_size != fabric.world_size:
-        log.warning(
-            f"resuming a checkpoint of {progress.world_size} process(es) on {fabric.world_size}: model, optimizer and"
-            " schedules continue exactly, but the random number streams and each process's data differ from the"
-            " run that wrote it."
-        )
-        return progress, None
-    return progress, extras["rng"][fabric.global_rank]
+    return progress, list(extras["ranks"])
+
+
+def load_model_and_optimizer(fabric: Fabric, path: Path, module: Any, optimizer: Any) -> None:
+    """Load a checkpoint's model and optimizer, also written by a run with another strategy or number of processes:
+    a sharded (fsdp) checkpoint into a model that is not sharded is read whole (Lightning reads a whole checkpoint
+    into shards itself, and a sharded one into shards of another number of processes). A collective."""
+    model = module.module
+    if not (path.is_dir() and not is_sharded(model)):
+        fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)
+        return
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as folder:  # 0o700
+        whole = Path(folder) / "whole.pt"
+        dcp_to_torch_save(path, whole)  # its parts were checked as data before any process started
+        state = load_data(whole)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optimizer.optimizer, optim_state_dict=state["optimizer"])
 
 
 def keep_loss_rows_up_to(loss_file: Path, epoch: int) -> None:
     """Drop the rows of flair's ``loss.tsv`` after ``epoch`` (written after the checkpoint a run resumes from)."""
     if not loss_file.is_file():
+        return
+    if epoch == 0:  # flair writes the header with the first epoch's row
+        loss_file.unlink()
         return
     lines = loss_file.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for number, line in enumerate(lines) if number == 0 or int(line.split("\t", 1)[0]) <= epoch]

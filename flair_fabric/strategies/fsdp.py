@@ -184,16 +184,16 @@ class ShardedCopy(Generic[ModelT]):
         self.caller_model = model
         self.working_model = copy_model(model)
         self._slots = [
-            (module, name, f"{module_name}.{name}" if module_name else name, parameter.device)
+            (module, name, f"{module_name}.{name}" if module_name else name)
             for module_name, module in model.named_modules()
-            for name, parameter in module.named_parameters(recurse=False)
+            for name, _ in module.named_parameters(recurse=False)
         ]
         self._release()
 
     def _release(self) -> None:
         """Move the caller's parameters to the meta device (shared parameters stay shared)."""
         replaced: dict[int, torch.nn.Parameter] = {}
-        for module, name, _, _ in self._slots:
+        for module, name, _ in self._slots:
             current = getattr(module, name)
             if id(current) not in replaced:
                 meta = torch.empty_like(current, device="meta")
@@ -203,10 +203,10 @@ class ShardedCopy(Generic[ModelT]):
     def _fill(self, weights: dict[str, torch.Tensor]) -> None:
         """Give the caller's parameters and buffers ``weights`` (shared parameters stay shared)."""
         replaced: dict[int, torch.nn.Parameter] = {}
-        for module, name, qualified, device in self._slots:
+        for module, name, qualified in self._slots:
             current = getattr(module, name)
             if id(current) not in replaced:
-                value = weights[qualified].detach().to(device)
+                value = weights[qualified].detach().to(flair.device)  # where this rank computes
                 replaced[id(current)] = torch.nn.Parameter(value, current.requires_grad)
             setattr(module, name, replaced[id(current)])
         with torch.no_grad():

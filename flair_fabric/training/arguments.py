@@ -9,6 +9,7 @@ arguments, the epoch a resumed run starts after) are computed, never written bac
 from __future__ import annotations
 
 import inspect
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from datetime import timedelta
@@ -23,6 +24,7 @@ from flair.trainers.plugins import TrainerPlugin
 from flair.training_utils import EmbeddingStorageMode
 
 from flair_fabric.launch.config import LaunchConfig
+from flair_fabric.state.policy import CheckpointPolicy
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
 
@@ -34,6 +36,19 @@ ADDED_PARAMETERS = [
     inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
     inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
     inspect.Parameter("checkpoint_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
+    inspect.Parameter(
+        "checkpoint_every_n_steps", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[int]"
+    ),
+    inspect.Parameter(
+        "checkpoint_every_n_minutes", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[float]"
+    ),
+    inspect.Parameter("keep_checkpoints", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
+    inspect.Parameter(
+        "requeue_signal",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=signal.SIGUSR1,
+        annotation="Union[signal.Signals, str, None]",
+    ),
     inspect.Parameter("resume_from", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[str, Path, None]"),
     inspect.Parameter(
         "collective_timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[float, timedelta, None]"
@@ -50,9 +65,17 @@ ADDED_DOC = """
                 FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
             precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
             progress_bar: a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).
-            checkpoint_every_n_epochs: save the complete training state to base_path/checkpoint every n epochs
+            checkpoint_every_n_epochs: save the complete training state to base_path/checkpoints/ every n epochs
                 (0: never).
-            resume_from: continue from a checkpoint: its folder, or "auto" for base_path/checkpoint if there is one.
+            checkpoint_every_n_steps: also every n optimizer steps, inside epochs (a resume continues at the next
+                batch).
+            checkpoint_every_n_minutes: also every n minutes (global rank 0's clock, agreed by all ranks).
+            keep_checkpoints: how many of the newest complete checkpoints to keep.
+            requeue_signal: the signal that means "preempted" (SLURM's --signal=USR1@120): every rank stops at the
+                next agreement point, a checkpoint is written, the job is requeued (scontrol) or exits with code 75.
+                None: no such signal.
+            resume_from: continue from a checkpoint: its folder, or "auto" for the newest in base_path/checkpoints
+                (the default when torchrun restarted the job).
             collective_timeout: how long a rank waits in a collective for the others before the job ends with an
                 error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
                 rank 0 alone are not limited by it.
@@ -148,7 +171,7 @@ class TrainArguments:
     flair: FlairArguments
     launch: LaunchConfig
     progress_bar: bool
-    checkpoint_every_n_epochs: int
+    checkpoints: CheckpointPolicy
     resume_folder: Path | None
     start_epoch: int
     """The completed epochs the run starts after: flair's ``epoch``, or the resumed checkpoint's."""
@@ -174,7 +197,11 @@ class TrainArguments:
             "strategy": strategy,
             "precision": launch.precision,
             "progress_bar": self.progress_bar,
-            "checkpoint_every_n_epochs": self.checkpoint_every_n_epochs,
+            "checkpoint_every_n_epochs": self.checkpoints.every_n_epochs,
+            "checkpoint_every_n_steps": self.checkpoints.every_n_steps or None,
+            "checkpoint_every_n_minutes": self.checkpoints.every_n_minutes or None,
+            "keep_checkpoints": self.checkpoints.keep,
+            "requeue_signal": self.checkpoints.requeue_signal.name if self.checkpoints.requeue_signal else None,
             "resume_from": str(self.resume_folder) if self.resume_folder is not None else None,
             "collective_timeout": launch.collective_timeout,
         }

@@ -28,8 +28,8 @@ class EpochProgressBar:
     """One epoch's bar: :meth:`step` after every training step, :meth:`report` at flair's log points (where the loss
     is all-reduced anyway, so the bar adds no collective), :meth:`close` at the end."""
 
-    def __init__(self, enabled: bool, epoch: int, steps: int) -> None:
-        options = {"total": steps, "desc": f"epoch {epoch}", "unit": "step", "disable": not enabled}
+    def __init__(self, enabled: bool, epoch: int, steps: int, done: int = 0) -> None:
+        options = {"total": steps, "initial": done, "desc": f"epoch {epoch}", "unit": "step", "disable": not enabled}
         if multiprocessing.parent_process() is None:  # the user's own process: tqdm's notebook widget where it can
             self.bar = tqdm.auto.tqdm(**options, dynamic_ncols=True)
         else:  # a worker forked from a notebook cannot draw widgets; a text bar on stdout (stderr shows red there)

@@ -14,37 +14,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from flair.trainers.plugins import MetricRecord, TrainingInterrupt
-from flair.training_utils import identify_dynamic_embeddings, log_line, store_embeddings
+from flair.training_utils import log_line
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.throughput import Throughput
 
-from flair_fabric.distributed.fingerprints import check_ranks_agree, model_fingerprint
-from flair_fabric.distributed.lockstep import Lockstep
-from flair_fabric.distributed.sharded_state import whole_tensor
+from flair_fabric.distributed.fingerprints import check_ranks_agree
+from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
 from flair_fabric.state.progress import RunProgress
-from flair_fabric.state.training_state import (
-    checkpoint_folder,
-    keep_loss_rows_up_to,
-    load_training_state,
-    save_training_state,
-    set_rng_state,
-)
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import TrainArguments
+from flair_fabric.training.checkpointing import Checkpointing, Preempted, ResumePoint
 from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
 from flair_fabric.training.loss import GlobalLoss, LossTracker
-from flair_fabric.training.participation import Participation, chunks_for_every_rank, find_stand_in_batch
+from flair_fabric.training.participation import Participation, find_stand_in_batch
 from flair_fabric.training.progress_bar import EpochProgressBar
-from flair_fabric.training.sampling import ShardedBatchSampler, shared_seed, steps_per_epoch, train_loader
+from flair_fabric.training.sampling import EpochBatches, epoch_batches, shared_seed, steps_per_epoch
 from flair_fabric.training.setup import attach_plugins, base_path_ready, log_setup, make_optimizer, training_data
+from flair_fabric.training.step import train_step
 
 if TYPE_CHECKING:
     from flair_fabric.trainer import FabricTrainer
 
 log = logging.getLogger("flair")
+
+AGREE_EVERY = 20
+"""Steps between the ranks' agreements inside an epoch besides flair's log points: a checkpoint asked for by time or
+a preemption signal is taken within seconds, at the cost of one small all-reduce every 20 steps."""
 
 
 class TrainingRun:
@@ -56,8 +54,11 @@ class TrainingRun:
         self.base_path = arguments.flair.base_path
         self.strategy = training_strategy(fabric.strategy)
         self.position = Position()  # where this rank is, for the error a stalled collective raises
-        self.lockstep: Lockstep | None = None  # where the ranks agree on stops (several processes only)
+        self.lockstep = Lockstep(fabric)  # where the ranks agree on stops and checkpoints (no collective in one)
         self.progress = RunProgress(arguments.start_epoch, 0, 0.0, 0, fabric.world_size)
+        self.checkpointing = Checkpointing(self)
+        self.resume_point: ResumePoint | None = None
+        self.at_epoch_end: str | None = None  # a checkpoint due at the epoch's end ("" or the preemption's reason)
         self.dynamic_embeddings: list[str] | None = None
 
     # --- the run, top-down --------------------------------------------------------------------------------------
@@ -70,15 +71,11 @@ class TrainingRun:
             parameters = self.set_up()
             trainer.dispatch("after_setup", **parameters)
             log_setup(trainer.model, trainer.corpus, self.fabric, self.arguments, self.data, self.plugins)
-            rng = self.resume() if self.arguments.resume_folder is not None else None
-            self.lockstep = Lockstep(self.fabric) if self.fabric.world_size > 1 else None
-            try:
-                if rng is not None:
-                    set_rng_state(rng)  # last, so the first resumed epoch draws what the interrupted run drew
-                with graceful_interrupts(self.on_signal):
-                    self.fit()
-            finally:
-                self.lockstep = None
+            if self.arguments.resume_folder is not None:
+                self.resume_point = self.checkpointing.resume()
+            preemption = self.arguments.checkpoints.requeue_signal
+            with graceful_interrupts(self.on_signal, self.lockstep.preempt, preemption):
+                self.fit()
             self.test()
             trainer.model = self.strategy.hand_back(trainer.model)
         trainer.dispatch("after_training")
@@ -128,20 +125,6 @@ class TrainingRun:
             if isinstance(plugin, EveryRankReduceTransformerVocabPlugin):
                 plugin.reduce_before_wrapping()
 
-    def resume(self) -> dict[str, Any] | None:
-        """Load the checkpoint the run continues from; return this rank's random number generator state."""
-        folder = self.arguments.resume_folder
-        assert folder is not None
-        progress, rng = load_training_state(
-            self.fabric, folder, self.module, self.trainer.optimizer, self.trainer.plugins
-        )
-        self.progress.batch_count, self.progress.best_epoch_score = progress.batch_count, progress.best_epoch_score
-        self.progress.seed = progress.seed
-        if self.fabric.is_global_zero:
-            keep_loss_rows_up_to(self.base_path / "loss.tsv", progress.epoch)
-        log.info(f"resumed from {folder} after epoch {progress.epoch} ({progress.batch_count} steps)")
-        return rng
-
     def fit(self) -> None:
         """flair's epoch loop with its interrupt handling; final-model.pt is written once."""
         a, trainer = self.flair_arguments, self.trainer
@@ -155,9 +138,11 @@ class TrainingRun:
                 self.agree_on_stopping()
                 self.evaluate(epoch, train_loss)
                 self.progress.epoch = epoch
-                every = self.arguments.checkpoint_every_n_epochs
-                if every and epoch % every == 0:
-                    self.save_training_state()
+                if self.checkpointing.due_after_epoch(epoch) or self.at_epoch_end is not None:
+                    self.checkpointing.save(None)
+                if self.at_epoch_end:  # a preemption agreed at the epoch's last step
+                    raise Preempted(self.at_epoch_end)
+                self.at_epoch_end = None
             trainer.dispatch("after_training_loop")
             if a.save_final_model:
                 trainer.save_model(final_model, checkpoint=a.save_optimizer_state)
@@ -182,125 +167,133 @@ class TrainingRun:
             trainer.dispatch("_training_finally")
 
     def train_epoch(self, epoch: int) -> tuple[float, str]:
-        """Train one epoch; returns the global train loss and the last learning-rate log text."""
-        fabric, a, trainer, progress = self.fabric, self.flair_arguments, self.trainer, self.progress
+        """Train one epoch (or, after a mid-epoch resume, the rest of it); returns the global train loss and the
+        last learning-rate log text."""
+        fabric, trainer, progress = self.fabric, self.trainer, self.progress
         log_line(log)
         self.position.at("the agreement on stops at the start of the epoch", epoch, 0)
         trainer.dispatch("before_training_epoch", epoch=epoch)
         self.agree_on_stopping()
         trainer.model.model_card["training_parameters"]["epoch"] = epoch  # type: ignore[index]
         lr_info, _ = trainer._get_current_lr_and_momentum(progress.batch_count)
-
-        shuffle_this_epoch = self.data.shuffle and not (not a.shuffle_first_epoch and epoch == 1)
-        batch_loader = train_loader(
-            self.data.train,
-            mini_batch_size=a.mini_batch_size,
-            shuffle=shuffle_this_epoch,
-            sampler=self.data.sampler,
-            epoch=epoch,
-            seed=progress.seed,
-            rank=fabric.global_rank,
-            world_size=fabric.world_size,
-        )
-        batches = batch_loader.batch_sampler
-        largest_batches = batches.largest_batches if isinstance(batches, ShardedBatchSampler) else None
-        trainer.model.train()
         epoch_loss = LossTracker(fabric.device)
-        epoch_start_time = time.time()
-        total = len(batch_loader)
-        log_modulo = max(1, int(total / 10))
+        plan = self._batches_of(epoch, epoch_loss)
+        trainer.model.train()
+        epoch_start_time, carried = time.time(), epoch_loss.data_points
+        log_modulo = max(1, int(plan.total / 10))
 
-        bar = EpochProgressBar(self.arguments.progress_bar and fabric.is_global_zero, epoch, total)
+        bar = EpochProgressBar(
+            self.arguments.progress_bar and fabric.is_global_zero, epoch, plan.total, plan.first_step
+        )
         throughput = Throughput(window_size=3)  # Lightning's: samples/s over the last log points, for the bar
         try:
-            for batch_no, batch in enumerate(batch_loader):
+            for batch_no, batch in enumerate(plan.batches, start=plan.first_step):
                 progress.batch_count += 1
+                progress.step_in_epoch = batch_no + 1
+                progress.epoch_position += plan.step_sizes[batch_no] if plan.step_sizes else len(batch)
                 self.position.at("forward and backward (the gradient collectives)", epoch, batch_no + 1)
                 batch_kw = {
                     "batch_no": batch_no,
                     "batch": batch,
-                    "total_number_of_batches": total,
+                    "total_number_of_batches": plan.total,
                     "epoch": epoch,
                     "batch_count": progress.batch_count,
                 }
-                largest_batch = largest_batches[batch_no] if largest_batches is not None else len(batch)
-                batch_loss, gradient_norm = self.train_step(batch, batch_kw, largest_batch)
+                largest = plan.largest_batches[batch_no] if plan.largest_batches is not None else len(batch)
+                batch_loss, gradient_norm = self.train_step(batch, batch_kw, largest)
+                step = progress.batch_count
                 if batch_loss.data_points > 0:
-                    trainer._record(
-                        MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), progress.batch_count)
-                    )
+                    trainer._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), step))
                     if gradient_norm is not None:
-                        trainer._record(
-                            MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, progress.batch_count)
-                        )
+                        trainer._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, step))
                     epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
 
+                agreed: Agreed | None = None
                 if (batch_no + 1) % log_modulo == 0:
                     self.position.at("the train loss all-reduce at a log point")
-                    so_far = self.global_loss(epoch_loss)
+                    so_far, agreed = self.global_loss(epoch_loss)
                     elapsed = time.time() - epoch_start_time
                     lr_info, momentum_info = trainer._get_current_lr_and_momentum(progress.batch_count)
                     log.info(
                         f"epoch {epoch}"
-                        f" - iter {batch_no + 1}/{total}"
+                        f" - iter {batch_no + 1}/{plan.total}"
                         f" - loss {so_far.mean:.8f}"
                         f" - time (sec): {elapsed:.2f}"
-                        f" - samples/sec: {so_far.data_points / elapsed:.2f}"
+                        f" - samples/sec: {(so_far.data_points - carried) / elapsed:.2f}"
                         f"{lr_info}{momentum_info}"
                     )
-                    throughput.update(time=elapsed, batches=batch_no + 1, samples=so_far.data_points)
-                    recent = throughput.compute().get("device/samples_per_sec", so_far.data_points / elapsed)
+                    done, read = batch_no + 1 - plan.first_step, so_far.data_points - carried  # since this start
+                    if read >= done:  # (Lightning's monitor counts at least a sample per batch)
+                        throughput.update(time=elapsed, batches=done, samples=read)
+                    recent = throughput.compute().get("device/samples_per_sec", read / elapsed)
                     bar.report(so_far.mean, recent)  # the counts are global already: the rate is the job's
+                elif (batch_no + 1) % AGREE_EVERY == 0:  # checkpoints by time and preemption, within seconds
+                    self.position.at("the agreement on stops and checkpoints")
+                    agreed = self.lockstep.agree()
                 trainer.dispatch("after_training_batch", **batch_kw)
                 bar.step()
+                self._checkpoint_after_step(agreed, epoch_loss, last=batch_no + 1 == plan.total)
         finally:
             bar.close()
 
         self.position.at("the train loss all-reduce at the end of the epoch")
-        train_loss = self.global_loss(epoch_loss).mean
+        train_loss = self.global_loss(epoch_loss)[0].mean
         trainer._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
+        progress.step_in_epoch = progress.epoch_position = 0
         return train_loss, lr_info
 
+    def _batches_of(self, epoch: int, epoch_loss: LossTracker) -> EpochBatches:
+        """This rank's batches of ``epoch``; after a mid-epoch resume only those not trained yet, never read."""
+        fabric, a, point = self.fabric, self.flair_arguments, self.resume_point
+        resumed = point is not None and point.step_in_epoch > 0
+        remaining = self.checkpointing.continue_epoch(point, epoch_loss, epoch) if resumed and point else None
+        self.checkpointing.at_epoch_start()
+        plan = epoch_batches(
+            self.data.train,
+            mini_batch_size=a.mini_batch_size,
+            shuffle=self.data.shuffle and not (not a.shuffle_first_epoch and epoch == 1),
+            sampler=self.data.sampler,
+            epoch=epoch,
+            seed=self.progress.seed,
+            rank=fabric.global_rank,
+            world_size=fabric.world_size,
+            first_step=point.step_in_epoch if resumed and point and point.same_processes else 0,
+            remaining_order=remaining,
+        )
+        if resumed and point:
+            if point.same_processes:  # the order is drawn: the generators where the interrupted run left them
+                self.checkpointing.after_epoch_is_drawn(point)
+            else:
+                self.progress.epoch_position = point.epoch_position
+                plan.first_step = self.progress.step_in_epoch = point.step_in_epoch
+                plan.total += point.step_in_epoch
+                skipped = [0] * point.step_in_epoch  # numbered as in the epoch the interrupted run began
+                if plan.largest_batches is not None:
+                    plan.largest_batches = skipped + plan.largest_batches
+                if plan.step_sizes is not None:
+                    plan.step_sizes = skipped + plan.step_sizes
+        self.resume_point = None
+        return plan
+
+    def _checkpoint_after_step(self, agreed: Agreed | None, epoch_loss: LossTracker, last: bool) -> None:
+        """Take a checkpoint if one is due after this step: by steps, by rank 0's clock or for a preemption (agreed
+        by all ranks); after a preemption, end the run for its requeue. One due after an epoch's last step is taken
+        when the epoch is complete (evaluated), as an epoch's checkpoint."""
+        self.checkpointing.watch_the_clock()
+        by_agreement = agreed is not None and agreed.checkpoint
+        if not (self.checkpointing.due_after_step(self.progress.batch_count) or by_agreement):
+            return
+        preempted = agreed.preempted if agreed is not None else None
+        if last:
+            self.at_epoch_end = preempted or ""
+            return
+        self.checkpointing.save(epoch_loss)
+        if preempted:
+            raise Preempted(preempted)
+
     def train_step(self, batch: list, batch_kw: dict, largest_batch: int) -> tuple[LossTracker, torch.Tensor | None]:
-        """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch.
-
-        Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
-        nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`)."""
-        fabric, a, module, trainer = self.fabric, self.flair_arguments, self.module, self.trainer
-        optimizer = trainer.optimizer
-        assert optimizer is not None
-        trainer.model.zero_grad()
-        optimizer.zero_grad()
-        trainer.dispatch("before_training_batch", **batch_kw)
-
-        batch_loss = LossTracker(fabric.device)
-        chunks = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
-        for chunk_no, chunk in enumerate(chunks):
-            with fabric.no_backward_sync(module, enabled=chunk_no < len(chunks) - 1):
-                with fabric.autocast():
-                    if self.participation is None:
-                        loss, data_points = module.forward_loss(chunk)
-                    else:
-                        loss, data_points = self.participation.loss(module.forward_loss, chunk)
-                batch_loss.add(loss, data_points)
-                # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
-                # world size gives the gradient of the sum over all ranks' batches.
-                trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
-            if self.dynamic_embeddings is None and chunk:
-                self.dynamic_embeddings = identify_dynamic_embeddings(batch)
-            store_embeddings(chunk, a.embeddings_storage_mode, self.dynamic_embeddings)
-
-        trainer.dispatch("before_training_optimizer_step", **batch_kw)
-        gradient_norm = None
-        if a.max_grad_norm is not None and not self.strategy.clips_gradients_in_engine:
-            norm = fabric.clip_gradients(module, optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False)
-            gradient_norm = whole_tensor(norm) if norm is not None else None
-        scaler = getattr(fabric.strategy.precision, "scaler", None)
-        scale_before = scaler.get_scale() if scaler is not None else 1.0
-        optimizer.step()
-        scale_after = scaler.get_scale() if scaler is not None else 1.0
-        batch_kw["optimizer_was_run"] = scale_before <= scale_after
-        return batch_loss, gradient_norm
+        """Forward, backward, clip and step for one mini-batch (:func:`~flair_fabric.training.step.train_step`)."""
+        return train_step(self, batch, batch_kw, largest_batch)
 
     def evaluate(self, epoch: int, train_loss: float) -> None:
         """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
@@ -312,33 +305,23 @@ class TrainingRun:
 
     # --- agreement, checkpoints ---------------------------------------------------------------------------------
 
-    def global_loss(self, loss: LossTracker) -> GlobalLoss:
-        """The loss all-reduced over the ranks; with several processes the same collective is where the ranks
-        agree on stops raised by plugins during the steps since the last one (no extra collective per step)."""
-        if self.lockstep is None:
-            return loss.global_loss(self.fabric)
+    def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:
+        """The loss all-reduced over the ranks; the same collective is where the ranks agree on stops, checkpoints
+        and preemptions held since the last one (no extra collective per step)."""
         count = torch.tensor(loss.data_points, device=self.fabric.device)
-        loss_sum, data_points = self.lockstep.agree(loss.loss_sum, count)
-        return GlobalLoss.of(loss_sum, data_points)
+        agreed = self.lockstep.agree(loss.loss_sum, count)
+        loss_sum, data_points = agreed.values
+        return GlobalLoss.of(loss_sum, data_points), agreed
 
     def agree_on_stopping(self) -> None:
         """Every rank raises ``TrainingInterrupt`` here if a plugin on any rank stopped since the last agreement."""
-        if self.lockstep is not None:
+        if self.fabric.world_size > 1:
             self.lockstep.agree()
 
     def on_signal(self, name: str) -> None:
         """Ctrl-C or SIGTERM during training: with several processes every rank stops at the next agreement point;
         in one process at once. Either way flair's interrupt handling saves the final model."""
-        if self.lockstep is None:
+        if self.fabric.world_size == 1:
             raise KeyboardInterrupt(f"{name} received")
         log.warning(f"{name} received: every process stops at the next agreement point (send it again to stop now)")
         self.lockstep.interrupt(name)
-
-    def save_training_state(self) -> None:
-        """Everything a resumed run needs to continue exactly, in base_path/checkpoint."""
-        self.position.at("saving the training state", self.progress.epoch, 0)
-        self.progress.model_fingerprint = model_fingerprint(self.strategy.caller_model(self.trainer.model))
-        folder = checkpoint_folder(self.base_path)
-        trainer = self.trainer
-        save_training_state(self.fabric, folder, self.module, trainer.optimizer, trainer.plugins, self.progress)
-        log.info(f"saved the training state after epoch {self.progress.epoch} to {folder}")

@@ -10,10 +10,12 @@ runs the same number of steps.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
         every_rank = [_batch_sizes(size, batch_size, shortest) for size in shard_sizes]
         # the size of the largest batch of each step on any rank, so that every rank cuts as many chunks
         self.largest_batches = [max(sizes) for sizes in zip(*every_rank, strict=True)]
+        # the data points all ranks read at each step: a mid-epoch checkpoint's position in the epoch's order
+        self.step_sizes = [sum(sizes) for sizes in zip(*every_rank, strict=True)]
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches)
@@ -111,7 +115,22 @@ def _seeded_random_generators(seed: int) -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-def train_loader(
+@dataclass
+class EpochBatches:
+    """One rank's batches of one epoch, from ``first_step`` on (steps before it were trained before a resume and are
+    neither read nor embedded again)."""
+
+    batches: Iterable[list]
+    total: int
+    """Steps in the whole epoch."""
+    first_step: int = 0
+    largest_batches: list[int] | None = None
+    """Per step, the largest batch any rank has (several processes)."""
+    step_sizes: list[int] | None = None
+    """Per step, the data points all ranks read (several processes; in one process: the batch's length)."""
+
+
+def epoch_batches(
     train_data: Dataset,
     *,
     mini_batch_size: int,
@@ -121,13 +140,55 @@ def train_loader(
     seed: int,
     rank: int,
     world_size: int,
-) -> DataLoader:
-    """The loader of this rank's mini-batches for ``epoch`` (1-based, as in flair)."""
+    first_step: int = 0,
+    remaining_order: list[int] | None = None,
+) -> EpochBatches:
+    """This rank's batches for ``epoch`` (1-based, as in flair).
+
+    In one process the batches are flair's own loader's (same shuffling, same random numbers drawn); from
+    ``first_step`` on, the loader's index batches are skipped without reading the data. ``remaining_order``: the
+    epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh.
+    """
+    if remaining_order is not None:
+        order = remaining_order
+    elif world_size == 1:
+        loader = DataLoader(train_data, batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
+        if first_step == 0:
+            return EpochBatches(loader, len(loader))
+        # the same loader over the indices draws the epoch's order from the generators exactly as the data's would
+        indices = DataLoader(
+            range(_len_dataset(train_data)), batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler
+        )
+        remaining = list(itertools.islice(indices, first_step, None))
+        return EpochBatches(_read(train_data, remaining), len(loader), first_step)
+    else:
+        order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
     if world_size == 1:
-        return DataLoader(train_data, batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
-    order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
+        cut = [order[i : i + mini_batch_size] for i in range(0, len(order), mini_batch_size)]
+        return EpochBatches(_read(train_data, cut), len(cut))
     batches = ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=mini_batch_size)
-    return DataLoader(train_data, batch_sampler=batches)
+    skipped = batches.batches[first_step:]
+    return EpochBatches(
+        _read(train_data, skipped),
+        len(batches),
+        first_step,
+        batches.largest_batches,
+        batches.step_sizes,
+    )
+
+
+def _read(train_data: Dataset, index_batches: Iterable[list[int]]) -> Iterator[list]:
+    """The data points of each index batch, read only when the batch is trained."""
+    for indices in index_batches:
+        yield [train_data[index] for index in indices]
+
+
+def epoch_order_of_one_process(
+    train_data: Dataset, *, mini_batch_size: int, shuffle: bool, sampler: Sampler | None
+) -> list[int]:
+    """The order flair's loader reads an epoch in, drawn from the random number generators as they are now."""
+    indices = DataLoader(range(_len_dataset(train_data)), batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
+    return [index for batch in indices for index in batch]
 
 
 def shared_seed(fabric: Any) -> int:

@@ -19,7 +19,6 @@ import torch
 from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer
-from flair_fabric.state.training_state import checkpoint_folder, read_progress
 
 from ..plugin_support import FailAt
 from ..support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
@@ -103,33 +102,6 @@ def _loss_rows(run_dir: Path) -> list[list[str]]:
     lines = [line.split("\t") for line in (run_dir / "loss.tsv").read_text().splitlines()]
     timestamp = lines[0].index("TIMESTAMP")
     return [line[:timestamp] + line[timestamp + 1 :] for line in lines]
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_killed_job_resumes_to_the_same_weights_and_loss_file(tmp_path: Path, strategy: str) -> None:
-    completed = run_job(_config(tmp_path, "uninterrupted", kwargs={"strategy": strategy}))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-
-    killed = run_job(_config(tmp_path, "resumed", kill_at_epoch=3, kwargs={"strategy": strategy}))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    checkpoint = checkpoint_folder(tmp_path / "resumed")
-    assert read_progress(checkpoint).epoch == 2
-    assert (checkpoint / "state.ckpt").is_dir() == (strategy == "fsdp"), "under fsdp the checkpoint is sharded"
-    assert not (tmp_path / "resumed" / "final-model.pt").exists()
-
-    resumed = run_job(_config(tmp_path, "resumed", kwargs={"resume_from": "auto", "strategy": strategy}))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in (tmp_path / "resumed" / "training.log").read_text()
-
-    for rank in (0, 1):
-        expected = torch.load(tmp_path / "uninterrupted" / f"weights-rank{rank}.pt")["final"]
-        actual = torch.load(tmp_path / "resumed" / f"weights-rank{rank}.pt")["final"]
-        assert state_dict_difference(expected, actual) <= 1e-6, rank
-    expected_rows, actual_rows = _loss_rows(tmp_path / "uninterrupted"), _loss_rows(tmp_path / "resumed")
-    assert [row[0] for row in actual_rows] == ["EPOCH", "1", "2", "3", "4"]
-    assert actual_rows == expected_rows
-    summary = json.loads((tmp_path / "resumed" / "summary-rank0.json").read_text())
-    assert len(summary["lr_trace"]) == 2 * 6, "the resumed run trains epochs 3 and 4 only (6 steps each)"
 
 
 @pytest.mark.parametrize(

@@ -12,15 +12,11 @@ import pytest
 import torch
 from flair.models import TextClassifier
 from flair.trainers.plugins import TrainerPlugin
-from lightning.fabric import Fabric
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
-from flair_fabric.state.progress import RunProgress
 from flair_fabric.state.training_state import (
-    checkpoint_folder,
-    find_checkpoint,
+    newest_checkpoint,
     read_progress,
-    save_training_state,
 )
 
 from ..support import small_trec, state_dict_difference, tiny_text_classifier
@@ -40,34 +36,6 @@ ONE_DEVICE = {
 def _classifier(**options: Any) -> tuple[TextClassifier, Any]:
     corpus = small_trec()
     return tiny_text_classifier(corpus, dropout=0.3, **options), corpus
-
-
-class _CrashDuringWrite(Exception):
-    pass
-
-
-def _fabric_save_crashing(path: Any, state: Any, *args: Any, **kwargs: Any) -> None:
-    Path(path).write_bytes(b"half a file")
-    raise _CrashDuringWrite
-
-
-def test_a_crash_while_saving_a_checkpoint_leaves_the_previous_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, _ = _classifier()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    fabric = Fabric(accelerator="cpu", devices=1)
-    folder = checkpoint_folder(tmp_path)
-    progress = RunProgress(1, 6, 0.5, 0, 1, {})
-    save_training_state(fabric, folder, model, optimizer, [], progress)
-    monkeypatch.setattr(fabric, "save", _fabric_save_crashing)
-    with pytest.raises(_CrashDuringWrite):
-        save_training_state(fabric, folder, model, optimizer, [], RunProgress(2, 12, 0.6, 0, 1, {}))
-    assert find_checkpoint("auto", tmp_path) == folder and read_progress(folder).epoch == 1
-    assert torch.load(folder / "state.ckpt")["model"].keys() == model.state_dict().keys()
-    # a crash between the two renames of a save: the previous checkpoint is found under its old name
-    shutil.move(folder, folder.parent / ".checkpoint.old")
-    assert find_checkpoint("auto", tmp_path) == folder.parent / ".checkpoint.old"
 
 
 def test_resuming_on_one_device_gives_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -109,13 +77,13 @@ def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path: Path) -> None:
     with_momentum = {**ONE_DEVICE, "momentum": 0.9}  # optimizer state that a resume must carry over
     model, corpus = _classifier()
     FabricTrainer(model, corpus).train(tmp_path, max_epochs=2, **with_momentum)
-    first_run = torch.load(tmp_path / "checkpoint" / "state.ckpt")
+    first_run = torch.load(newest_checkpoint(tmp_path) / "state.ckpt")
     resumed, corpus = _classifier()
     settings = {**with_momentum, "devices": 2, "strategy": "ddp_fork", "plugins": [_EpochStart(tmp_path)]}
     FabricTrainer(resumed, corpus).train(tmp_path, max_epochs=3, resume_from="auto", **settings)
     log = (tmp_path / "training.log").read_text()
     assert "resuming a checkpoint of 1 process(es) on 2" in log and "EPOCH 3 done" in log
-    assert read_progress(checkpoint_folder(tmp_path)).epoch == 3
+    assert read_progress(newest_checkpoint(tmp_path)).epoch == 3
     assert [line.split("\t")[0] for line in (tmp_path / "loss.tsv").read_text().splitlines()] == [
         "EPOCH",
         "1",
@@ -173,7 +141,7 @@ def test_a_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path: Path, strat
         return {**ONE_DEVICE, "devices": 2, "strategy": chosen}
 
     FabricTrainer(model, corpus).train(tmp_path / "run", max_epochs=1, **settings())
-    written = checkpoint_folder(tmp_path / "run")
+    written = newest_checkpoint(tmp_path / "run")
     # the checkpoint is the user's alone
     assert all(
         (path.stat().st_mode & 0o777) == (0o700 if path.is_dir() else 0o600) for path in [written, *written.rglob("*")]

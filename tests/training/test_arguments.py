@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,10 @@ OURS = {
     "precision": None,
     "progress_bar": None,
     "checkpoint_every_n_epochs": 0,
+    "checkpoint_every_n_steps": None,
+    "checkpoint_every_n_minutes": None,
+    "keep_checkpoints": 1,
+    "requeue_signal": signal.SIGUSR1,
     "resume_from": None,
     "collective_timeout": None,
 }

@@ -33,6 +33,10 @@ FABRIC_ONLY_SETUP_KEYS = {
     "checkpoint_every_n_epochs",
     "resume_from",
     "collective_timeout",
+    "checkpoint_every_n_steps",
+    "checkpoint_every_n_minutes",
+    "keep_checkpoints",
+    "requeue_signal",
 }
 
 

@@ -1,0 +1,194 @@
+"""Checkpoints during a run: when to take one (every n epochs, every n steps, every n minutes by global rank 0's
+clock, on a preemption signal), what each rank adds to it, how a run continues from one, mid-epoch too, and what a
+preempted run does at the end (requeue itself under SLURM, or exit with :data:`REQUEUE_EXIT_CODE`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flair_fabric.distributed.fingerprints import model_fingerprint
+from flair_fabric.state.policy import REQUEUE_EXIT_CODE
+from flair_fabric.state.training_state import (
+    keep_loss_rows_up_to,
+    load_training_state,
+    rng_state,
+    save_training_state,
+    set_rng_state,
+)
+from flair_fabric.training.sampling import epoch_order, epoch_order_of_one_process
+
+if TYPE_CHECKING:
+    from flair_fabric.training.loss import LossTracker
+    from flair_fabric.training.run import TrainingRun
+
+log = logging.getLogger("flair")
+
+
+class Preempted(BaseException):
+    """The ranks agreed on a preemption signal; the checkpoint is written. Ends the run for a requeue."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run continues inside an epoch, and what the run that wrote the checkpoint had of it."""
+
+    step_in_epoch: int
+    epoch_position: int
+    every_rank: list[dict[str, Any]]
+    same_processes: bool
+
+
+class Checkpointing:
+    """A run's checkpoints: triggers, saving with each rank's own state, resuming."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run = run
+        self.policy = run.arguments.checkpoints
+        self.last_saved = time.monotonic()
+        self.epoch_start_rng: dict[str, Any] | None = None  # decides the epoch's order in one process
+
+    # --- triggers -----------------------------------------------------------------------------------------------
+
+    def at_epoch_start(self) -> None:
+        """Remember the generators that decide this epoch's order (in one process: flair's loader draws it)."""
+        self.epoch_start_rng = rng_state()
+
+    def due_after_step(self, batch_count: int) -> bool:
+        """A checkpoint by steps: the same decision on every rank, no collective."""
+        return bool(self.policy.every_n_steps) and batch_count % self.policy.every_n_steps == 0
+
+    def watch_the_clock(self) -> None:
+        """Global rank 0 asks for a checkpoint when its clock says so; the ranks take it at their next agreement."""
+        minutes = self.policy.every_n_minutes
+        if minutes and self.run.fabric.is_global_zero and time.monotonic() - self.last_saved >= minutes * 60:
+            self.run.lockstep.request_checkpoint()
+
+    def due_after_epoch(self, epoch: int) -> bool:
+        """A checkpoint by epochs."""
+        return bool(self.policy.every_n_epochs) and epoch % self.policy.every_n_epochs == 0
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def save(self, epoch_loss: LossTracker | None) -> None:
+        """Write a checkpoint now (every rank): the run's progress, and this rank's generators and part of the
+        epoch's loss."""
+        run = self.run
+        progress = run.progress
+        run.position.at("saving the training state", progress.epoch + (1 if progress.step_in_epoch else 0))
+        progress.model_fingerprint = model_fingerprint(run.strategy.caller_model(run.trainer.model))
+        rank_state = {
+            "epoch_start_rng": self.epoch_start_rng,
+            "loss_sum": float(epoch_loss.loss_sum) if epoch_loss is not None else 0.0,
+            "data_points": epoch_loss.data_points if epoch_loss is not None else 0,
+        }
+        trainer = run.trainer
+        folder = save_training_state(
+            run.fabric,
+            run.base_path,
+            run.module,
+            trainer.optimizer,
+            trainer.plugins,
+            progress,
+            rank_state,
+            self.policy.keep,
+        )
+        self.last_saved = time.monotonic()
+        where = f"step {progress.step_in_epoch} of epoch {progress.epoch + 1}" if progress.step_in_epoch else ""
+        log.info(f"saved the training state after {where or f'epoch {progress.epoch}'} to {folder}")
+
+    # --- resuming -----------------------------------------------------------------------------------------------
+
+    def resume(self) -> ResumePoint:
+        """Load the checkpoint the run continues from into model, optimizer, schedulers and progress."""
+        run = self.run
+        folder = run.arguments.resume_folder
+        assert folder is not None
+        trainer = run.trainer
+        saved, every_rank = load_training_state(run.fabric, folder, run.module, trainer.optimizer, trainer.plugins)
+        progress = run.progress
+        progress.epoch, progress.batch_count = saved.epoch, saved.batch_count
+        progress.best_epoch_score, progress.seed = saved.best_epoch_score, saved.seed
+        progress.step_in_epoch, progress.epoch_position = saved.step_in_epoch, saved.epoch_position
+        if run.fabric.is_global_zero:
+            keep_loss_rows_up_to(run.base_path / "loss.tsv", saved.epoch)
+        same = saved.world_size == run.fabric.world_size
+        if not same:
+            log.warning(
+                f"resuming a checkpoint of {saved.world_size} process(es) on {run.fabric.world_size}: model, optimizer"
+                " and schedulers continue from their saved state and the interrupted epoch goes on with the data not"
+                " read yet; the random number streams start anew and a schedule counted in steps counts this run's"
+                " steps, so the rest of the run differs from one on the original number of processes."
+            )
+        where = (
+            f"step {saved.step_in_epoch} of epoch {saved.epoch + 1}" if saved.step_in_epoch else f"epoch {saved.epoch}"
+        )
+        log.info(f"resumed from {folder} after {where} ({saved.batch_count} steps)")
+        point = ResumePoint(saved.step_in_epoch, saved.epoch_position, every_rank, same)
+        if same and not point.step_in_epoch:
+            set_rng_state(every_rank[run.fabric.global_rank]["rng"])  # the next epoch draws what it drew
+        return point
+
+    def continue_epoch(self, point: ResumePoint, epoch_loss: LossTracker, epoch: int) -> list[int] | None:
+        """Before the resumed epoch's batches are built: this rank's part of the epoch's loss, its generators, and,
+        on another number of processes, the data points of the epoch not read yet (else ``None``)."""
+        run = self.run
+        rank = run.fabric.global_rank
+        if point.same_processes:
+            mine = point.every_rank[rank]
+            epoch_loss.add(torch.tensor(mine["loss_sum"]), int(mine["data_points"]))
+            set_rng_state(mine["epoch_start_rng"])  # the epoch's order is drawn again as it was
+            return None
+        if rank == 0:  # the epoch's loss so far, all of it counted once
+            epoch_loss.add(
+                torch.tensor(sum(state["loss_sum"] for state in point.every_rank)),
+                sum(int(state["data_points"]) for state in point.every_rank),
+            )
+        return self._epoch_order_as_written(point, epoch)[point.epoch_position :]
+
+    def after_epoch_is_drawn(self, point: ResumePoint) -> None:
+        """The generators where the interrupted run left them (same number of processes)."""
+        if point.same_processes:
+            set_rng_state(point.every_rank[self.run.fabric.global_rank]["rng"])
+
+    def _epoch_order_as_written(self, point: ResumePoint, epoch: int) -> list[int]:
+        run, a = self.run, self.run.flair_arguments
+        shuffle = run.data.shuffle and not (not a.shuffle_first_epoch and epoch == 1)
+        if len(point.every_rank) > 1:
+            n = run.data.size
+            return epoch_order(n, shuffle=shuffle, sampler=run.data.sampler, seed=run.progress.seed, epoch=epoch - 1)
+        now = rng_state()
+        set_rng_state(point.every_rank[0]["epoch_start_rng"])  # the one process's loader drew its order from them
+        order = epoch_order_of_one_process(
+            run.data.train, mini_batch_size=a.mini_batch_size, shuffle=shuffle, sampler=run.data.sampler
+        )
+        set_rng_state(now)
+        return order
+
+    # --- preemption ---------------------------------------------------------------------------------------------
+
+    def requeue(self, reason: str) -> int:
+        """After a preemption: ask SLURM to requeue the job (global rank 0, where ``scontrol`` exists), say how to
+        continue, and return the exit code every rank ends with."""
+        run = self.run
+        job = os.environ.get("SLURM_JOB_ID")
+        scontrol = shutil.which("scontrol")
+        if run.fabric.is_global_zero:
+            if job and scontrol:
+                completed = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
+                outcome = "requeued" if completed.returncode == 0 else f"not requeued ({completed.stderr.strip()})"
+                log.warning(f"{reason}: checkpoint written; SLURM job {job} {outcome}; exit code {REQUEUE_EXIT_CODE}")
+            else:
+                log.warning(
+                    f"{reason}: checkpoint written in {run.base_path / 'checkpoints'}; exiting with code"
+                    f" {REQUEUE_EXIT_CODE}: start the job again with resume_from='auto' (the default after a torchrun"
+                    " restart), e.g. `scontrol requeue $SLURM_JOB_ID` in the job script when it sees this code."
+                )
+        return REQUEUE_EXIT_CODE

@@ -1,0 +1,60 @@
+"""One training step as flair's loop takes it: chunks, forward through the wrapped module, backward through Fabric
+(scaled so that DDP's average is the gradient of the sum over all ranks' batches), clipping, the optimizer step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from flair.training_utils import identify_dynamic_embeddings, store_embeddings
+
+from flair_fabric.distributed.sharded_state import whole_tensor
+from flair_fabric.training.loss import LossTracker
+from flair_fabric.training.participation import chunks_for_every_rank
+
+if TYPE_CHECKING:
+    from flair_fabric.training.run import TrainingRun
+
+
+def train_step(
+    run: TrainingRun, batch: list, batch_kw: dict, largest_batch: int
+) -> tuple[LossTracker, torch.Tensor | None]:
+    """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch.
+
+    Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
+    nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`)."""
+    fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
+    optimizer = trainer.optimizer
+    assert optimizer is not None
+    trainer.model.zero_grad()
+    optimizer.zero_grad()
+    trainer.dispatch("before_training_batch", **batch_kw)
+
+    batch_loss = LossTracker(fabric.device)
+    chunks = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
+    for chunk_no, chunk in enumerate(chunks):
+        with fabric.no_backward_sync(module, enabled=chunk_no < len(chunks) - 1):
+            with fabric.autocast():
+                if run.participation is None:
+                    loss, data_points = module.forward_loss(chunk)
+                else:
+                    loss, data_points = run.participation.loss(module.forward_loss, chunk)
+            batch_loss.add(loss, data_points)
+            # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
+            # world size gives the gradient of the sum over all ranks' batches.
+            trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
+        if run.dynamic_embeddings is None and chunk:
+            run.dynamic_embeddings = identify_dynamic_embeddings(batch)
+        store_embeddings(chunk, a.embeddings_storage_mode, run.dynamic_embeddings)
+
+    trainer.dispatch("before_training_optimizer_step", **batch_kw)
+    gradient_norm = None
+    if a.max_grad_norm is not None and not run.strategy.clips_gradients_in_engine:
+        norm = fabric.clip_gradients(module, optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False)
+        gradient_norm = whole_tensor(norm) if norm is not None else None
+    scaler = getattr(fabric.strategy.precision, "scaler", None)
+    scale_before = scaler.get_scale() if scaler is not None else 1.0
+    optimizer.step()
+    scale_after = scaler.get_scale() if scaler is not None else 1.0
+    batch_kw["optimizer_was_run"] = scale_before <= scale_after
+    return batch_loss, gradient_norm
