@@ -53,8 +53,8 @@ MUTATIONS = [
         [
             (
                 "flair_fabric/training/run.py",
-                "loss_sum, data_points = self.lockstep.agree(loss.loss_sum, count)",
-                "loss_sum, data_points = self.lockstep.agree(loss.mean(), torch.ones((), device=self.fabric.device))",
+                "agreed = self.lockstep.agree(loss.loss_sum, count)",
+                "agreed = self.lockstep.agree(loss.mean(), torch.ones((), device=self.fabric.device))",
             )
         ],
         ["tests/training/test_every_model.py", "-k", "union and text_missing_labels"],
@@ -65,10 +65,9 @@ MUTATIONS = [
         [
             (
                 "flair_fabric/state/training_state.py",
-                '    fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer}, weights_only=True)',
+                '    load_model_and_optimizer(fabric, folder / "state.ckpt", module, optimizer)',
                 "    if progress.world_size == fabric.world_size:\n"
-                '        fabric.load(folder / "state.ckpt", {"model": module, "optimizer": optimizer},'
-                " weights_only=True)",
+                '        load_model_and_optimizer(fabric, folder / "state.ckpt", module, optimizer)',
             )
         ],
         ["tests/state/test_resume.py::test_a_checkpoint_of_one_process_resumes_on_two"],
@@ -114,7 +113,7 @@ MUTATIONS = [
         "gradients equal one process on the union (fsdp too, clipping off)",
         [
             (
-                "flair_fabric/training/run.py",
+                "flair_fabric/training/step.py",
                 "trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)",
                 "trainer._backward(loss)",
             )
@@ -201,8 +200,8 @@ MUTATIONS = [
         [
             (
                 "flair_fabric/launch/workers.py",
-                "                os.kill(worker.pid, FORWARDED_SIGNAL)",
-                "                pass",
+                "        send(FORWARDED_SIGNAL)",
+                "        pass",
             )
         ],
         ["tests/launch/test_notebooks.py", "-k", "kernel-mid-epoch-1"],
@@ -308,12 +307,96 @@ MUTATIONS = [
         "gradient clipping as flair does it",
         [
             (
-                "flair_fabric/training/run.py",
-                "if a.max_grad_norm is not None and not self.strategy.clips_gradients_in_engine:",
-                "if a.max_grad_norm is not None and self.strategy.clips_gradients_in_engine:",
+                "flair_fabric/training/step.py",
+                "if a.max_grad_norm is not None and not run.strategy.clips_gradients_in_engine:",
+                "if a.max_grad_norm is not None and run.strategy.clips_gradients_in_engine:",
             )
         ],
         ["tests/training/test_parity.py", "-k", "matches_flair"],
+    ),
+    Mutation(
+        "a resumed epoch starts again from its first batch",
+        "exact mid-epoch resume that reads and embeds only the unseen batches",
+        [
+            (
+                "flair_fabric/training/run.py",
+                "first_step=point.step_in_epoch if resumed and point and point.same_processes else 0,",
+                "first_step=0,",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "killed_mid_epoch and ddp"],
+    ),
+    Mutation(
+        "the epoch's order is not drawn again from the saved generators",
+        "exact mid-epoch resume in one process (flair's loader)",
+        [
+            (
+                "flair_fabric/training/checkpointing.py",
+                '            set_rng_state(mine["epoch_start_rng"])',
+                "            pass",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "killed_mid_epoch and one"],
+    ),
+    Mutation(
+        "the epoch's loss so far is not restored",
+        "the same loss.tsv after a mid-epoch resume",
+        [
+            (
+                "flair_fabric/training/checkpointing.py",
+                '            epoch_loss.add(torch.tensor(mine["loss_sum"]), int(mine["data_points"]))',
+                "            pass",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "killed_mid_epoch and ddp"],
+    ),
+    Mutation(
+        "the preemption signal is not held",
+        "SIGUSR1: one checkpoint, requeue, exit 75",
+        [
+            (
+                "flair_fabric/training/run.py",
+                "preemption = self.arguments.checkpoints.requeue_signal",
+                "preemption = None",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "preemption_signal"],
+    ),
+    Mutation(
+        "a torchrun restart meets in the store of the previous attempt",
+        "torchrun restarts continue from the last checkpoint",
+        [
+            (
+                "flair_fabric/launch/workers.py",
+                "        return torchrun_rendezvous(timeout, single_node=launched.num_nodes == 1)",
+                "        return contextlib.nullcontext()",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "torchrun"],
+    ),
+    Mutation(
+        "retention keeps one checkpoint too many",
+        "keep_checkpoints keeps the newest k",
+        [
+            (
+                "flair_fabric/state/training_state.py",
+                "complete_checkpoints(base_path)[:-keep]",
+                "complete_checkpoints(base_path)[: -keep - 1]",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "retention"],
+    ),
+    Mutation(
+        "rank 0's clock never asks for a checkpoint",
+        "checkpoints every n minutes",
+        [
+            (
+                "flair_fabric/training/checkpointing.py",
+                "            self.run.lockstep.request_checkpoint()",
+                "            pass",
+            )
+        ],
+        ["tests/state/test_preemption.py", "-k", "by_time"],
     ),
     Mutation(
         "the longer shard's last point is not folded in",

@@ -10,7 +10,7 @@ exits and the launcher's guards stop the others.
 
 Phases where only global rank 0 works while the others wait (writing model files and checkpoints, reading the best
 model, evaluation that cannot be split) are not limited by it: the others wait in :func:`wait_for_global_zero`, a
-barrier on a separate gloo group with a 24-hour timeout, so a long save or a big rank-0-only evaluation never trips
+barrier on a separate gloo group with a 2-hour timeout, so a long save or a big rank-0-only evaluation never trips
 the short timeout of the training collectives.
 """
 
@@ -27,7 +27,7 @@ import torch.distributed
 from lightning.fabric import Fabric
 
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
-PATIENT_TIMEOUT = timedelta(hours=24)
+PATIENT_TIMEOUT = timedelta(hours=2)
 _TIMED_OUT = re.compile(r"time[sd]? ?out|timed out", re.IGNORECASE)
 
 
@@ -102,7 +102,7 @@ _patient_groups: dict[Any, Any] = {}
 
 
 def wait_for_global_zero(fabric: Fabric) -> None:
-    """Every rank: wait, with a 24-hour timeout, until all ranks (global rank 0 last, after its file work) get here.
+    """Every rank: wait, with a 2-hour timeout, until all ranks (global rank 0 last, after its file work) get here.
 
     A collective on a gloo group of its own (made on first use, by every rank at the same point)."""
     if fabric.world_size == 1 or not torch.distributed.is_initialized():

@@ -73,13 +73,17 @@ def _strategy(name: str) -> Any:
     return FlairFSDPStrategy(start_method="fork") if name == "fsdp" else "ddp_fork"
 
 
+ONE_PROCESS = "one process"  # flair's own loader: the epoch's order is drawn from the generators
+
+
 def _train(folder: Path, strategy: str, devices: int = 2, **options: Any) -> torch.nn.Module:
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)
     kill_at = options.pop("kill_at", None)
     plugins = [_Steps(folder, kill_at)]
     kwargs = {**RESUMABLE, "checkpoint_every_n_steps": 2, **options}
-    chosen = _strategy(strategy) if devices > 1 else "auto"
+    devices = 1 if strategy == ONE_PROCESS else devices
+    chosen = _strategy(strategy) if devices > 1 else "ddp_fork"  # one forked worker: SIGKILL spares the test
     FabricTrainer(model, corpus).fine_tune(folder, strategy=chosen, devices=devices, plugins=plugins, **kwargs)
     return model
 
@@ -91,12 +95,14 @@ def _loss_rows(folder: Path) -> list[list[str]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", ONE_PROCESS])
 def test_a_job_killed_mid_epoch_resumes_to_the_weights_of_the_uninterrupted_run(tmp_path: Path, strategy: str) -> None:
     reference = _train(tmp_path / "uninterrupted", strategy)
     expected = json.loads((tmp_path / "uninterrupted" / "steps.json").read_text())
-    assert len(expected["trace"]) == STEPS
-    for kill_at in random.Random(2026).sample(range(8, 13), 3):  # steps of epoch 2
+    steps = STEPS * (2 if strategy == ONE_PROCESS else 1)
+    assert len(expected["trace"]) == steps
+    per_epoch = steps // 3
+    for kill_at in random.Random(2026).sample(range(per_epoch + 2, 2 * per_epoch), 3):  # steps of epoch 2
         folder = tmp_path / f"killed-at-{kill_at}"
         with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
             _train(folder, strategy, kill_at=kill_at)
@@ -106,9 +112,9 @@ def test_a_job_killed_mid_epoch_resumes_to_the_weights_of_the_uninterrupted_run(
         resumed = _train(folder, strategy, resume_from="auto")
         assert state_dict_difference(reference.state_dict(), resumed.state_dict()) <= 1e-6, kill_at
         assert _loss_rows(folder) == _loss_rows(tmp_path / "uninterrupted")
-        steps = json.loads((folder / "steps.json").read_text())
-        assert steps["trace"] == expected["trace"][saved_after:], "the same learning rates from the resumed step"
-        assert steps["embedded"] == STEPS - saved_after, "the resumed run reads and embeds only the unseen batches"
+        recorded = json.loads((folder / "steps.json").read_text())
+        assert recorded["trace"] == expected["trace"][saved_after:], "the same learning rates from the resumed step"
+        assert recorded["embedded"] == len(expected["trace"]) - saved_after, "only the unseen batches are embedded"
 
 
 @pytest.mark.multiprocess
@@ -235,3 +241,29 @@ def test_bad_checkpoint_arguments_are_refused_before_anything_starts(
     with pytest.raises(ValueError, match=message):
         trainer.train(tmp_path / "run", max_epochs=1, accelerator="cpu", devices=2, **arguments)
     assert trainer.fabric is None and not (tmp_path / "run").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_dies_while_a_checkpoint_is_written_ends_the_job_and_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flair_fabric.state import training_state
+
+    saved = training_state.rng_state
+
+    def rank_one_dies_in_the_third_save() -> dict[str, Any]:
+        if torch.distributed.get_rank() == 1 and len(complete_checkpoints(tmp_path / "run")) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return saved()
+
+    monkeypatch.setattr(training_state, "rng_state", rank_one_dies_in_the_third_save)
+    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+        _train(tmp_path / "run", "ddp", keep_checkpoints=5, collective_timeout=60)
+    assert [path.name for path in complete_checkpoints(tmp_path / "run")] == ["step-000000002", "step-000000004"]
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_by_time_are_agreed_by_every_rank_inside_epochs(tmp_path: Path) -> None:
+    _train(tmp_path, "ddp", checkpoint_every_n_steps=None, checkpoint_every_n_minutes=1e-6, keep_checkpoints=100)
+    inside = [read_progress(folder).step_in_epoch for folder in complete_checkpoints(tmp_path)]
+    assert len(inside) >= 6 and any(step > 0 for step in inside), "rank 0's clock asked at the agreement points"
