@@ -410,6 +410,12 @@ MUTATIONS = [
         ],
         ["tests/training/test_sampling.py"],
     ),
+    Mutation(
+        "forked workers keep the caller's threads",
+        "forked workers finish after the caller computed on several threads (OpenMP is not fork-safe)",
+        [("flair_fabric/launch/workers.py", "        one_cpu_thread_after_fork()\n", "        pass\n")],
+        ["tests/launch/test_launching.py", "-k", "forked_workers_after and 1"],
+    ),
 ]
 
 

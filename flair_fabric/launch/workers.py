@@ -196,6 +196,15 @@ def _stop_and_reap(workers: set[multiprocessing.process.BaseProcess], grace_seco
     return killed
 
 
+def one_cpu_thread_after_fork() -> None:
+    """A forked worker computes with one CPU thread (as torch's DataLoader workers do). GNU OpenMP, torch's CPU
+    thread pool, is not fork-safe: in a worker forked after its parent ran one parallel CPU operation (an earlier
+    run, an evaluation, any sizeable tensor operation in the notebook), the first parallel operation waits forever
+    for threads that exist only in the parent. Spawned workers and script launches keep their threads."""
+    if torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+
+
 def _run_in_worker(
     fabric: Fabric,
     function: Callable[[Fabric, Any], Any],
@@ -207,6 +216,8 @@ def _run_in_worker(
 
     Signals are held from the start: a Ctrl-C during set-up stops every rank at the first agreement point."""
     forget_inherited_interrupts()
+    if not isinstance(job, bytes):  # inherited: a forked worker
+        one_cpu_thread_after_fork()
     with graceful_interrupts(lambda signal_name: None, lambda signal_name: None, preemption):
         flair.device = fabric.device  # before the job is rebuilt: flair models move to flair.device when made
         if isinstance(job, bytes):

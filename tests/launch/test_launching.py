@@ -304,3 +304,17 @@ def test_every_rank_computes_on_the_device_fabric_gives_it(tmp_path: Path) -> No
         flair.device = callers_device
     for rank in (0, 1):
         assert json.loads((tmp_path / f"device-rank{rank}.json").read_text()) == {"flair": "cpu", "parameter": "cpu"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("devices", [1, 2])
+def test_forked_workers_after_the_caller_computed_on_several_threads_finish(tmp_path: Path, devices: int) -> None:
+    """GNU OpenMP is not fork-safe: without one thread per forked worker, this run never ends."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # Lightning would otherwise give 2 workers one thread each
+    command = [sys.executable, str(SCRIPTS / "fork_after_openmp.py"), str(tmp_path), str(devices)]
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
+    except subprocess.TimeoutExpired as stuck:
+        pytest.fail(f"the forked workers hang: {stuck}")
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "workers computed with 1 thread(s); this process with 2" in completed.stdout
