@@ -4,6 +4,8 @@
 2. ddp_vs_flair_native: FabricTrainer(devices=2) vs flair's own multi_gpu=True on 2 CPU processes, samples/s.
 3. find_unused_parameters: FabricTrainer(devices=2) with DDP's unused-parameter search forced on vs off.
 4. sharded_evaluation: evaluating a dev split with flair_fabric.evaluate on 2 processes vs flair's evaluate in one.
+5. ddp_vs_fsdp: memory and time of strategy="fsdp" vs "ddp".
+6. checkpoint_cost, 7. resume_latency: preemption-proof training (``preemption.py``).
 
 Every measurement runs in fresh worker processes (``worker.py``); results go to ``<out-dir>/<name>.json`` and a
 table to ``<out-dir>/README.md``.
@@ -23,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import preemption
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
@@ -70,6 +74,8 @@ PLANS: dict[str, dict[str, Any]] = {
         "find_unused": (Job("rnn", 2048, 16, 2, RNN_LR, 4), 2),
         "evaluation": (Job("minilm", 500, 32, 1, 0.0, 3), 2),
         "sharding": (Job("minilm", 256, 16, 1, MINILM_LR, 2), 2),
+        "checkpointing": (Job("minilm", 1920, 8, 1, MINILM_LR, 2), 50),
+        "resume": (Job("minilm", 800, 8, 1, MINILM_LR, 1), 5, 2),
     },
     "quick": {
         "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],
@@ -77,6 +83,8 @@ PLANS: dict[str, dict[str, Any]] = {
         "find_unused": (Job("rnn", 512, 16, 1, RNN_LR, 2), 1),
         "evaluation": (Job("minilm", 96, 16, 1, 0.0, 1), 1),
         "sharding": (Job("minilm", 64, 16, 1, MINILM_LR, 1), 1),
+        "checkpointing": (Job("minilm", 192, 8, 1, MINILM_LR, 1), 4),
+        "resume": (Job("minilm", 160, 8, 1, MINILM_LR, 1), 1, 1),
     },
 }
 
@@ -110,7 +118,7 @@ class Runner:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
         env.pop("LOCAL_RANK", None)  # a worker that sees LOCAL_RANK would not start its own processes
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         with log_path.open("w", encoding="utf-8") as log_file:
             process = subprocess.Popen(
                 command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
@@ -125,7 +133,7 @@ class Runner:
         progress = [
             line
             for line in log_text.splitlines()
-            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate ", "[sharding "))
+            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate ", "[sharding ", "[checkpointing "))
         ]
         for line in progress if self.verbose else progress[-1:]:
             print(f"    {line}", flush=True)
@@ -134,6 +142,7 @@ class Runner:
             raise RuntimeError(f"worker failed (exit {process.returncode}): {' '.join(command)}\n{tail}")
         result = json.loads(out.read_text(encoding="utf-8"))
         result["process_wall_seconds"] = round(wall, 1)
+        result["process_started_at"] = started_at
         return result
 
 
@@ -668,6 +677,7 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             " fsdp trades time for memory: use it when a model does not fit with ddp.",
             "",
         ]
+    lines += preemption.markdown_lines(results)
     lines += [
         "Timings on a shared or busy machine are noisy: rerun `make bench` on a quiet one before quoting them.",
         "",
@@ -681,7 +691,12 @@ SECTION_NAMES = (
     "find_unused_parameters",
     "sharded_evaluation",
     "ddp_vs_fsdp",
+    "checkpoint_cost",
+    "resume_latency",
 )
+
+
+SECTIONS = ("overhead", "ddp", "find_unused", "evaluation", "sharding", "checkpointing", "resume")
 
 
 def write_readme(out_dir: Path) -> None:
@@ -702,7 +717,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=["overhead", "ddp", "find_unused", "evaluation", "sharding"],
+        choices=SECTIONS,
         action="append",
         help="run only these sections (README.md is rebuilt from all JSON files in the folder)",
     )
@@ -725,7 +740,7 @@ def main() -> None:
     if args.readme_only:
         write_readme(out_dir)
         return
-    sections = args.only or ["overhead", "ddp", "find_unused", "evaluation", "sharding"]
+    sections = args.only or list(SECTIONS)
     started = time.perf_counter()
     machine = machine_info()
     print(
@@ -749,6 +764,12 @@ def main() -> None:
         if "sharding" in sections:
             job, launches = plan["sharding"]
             results["ddp_vs_fsdp"] = sharding_section(runner, job, launches, args.devices)
+        if "checkpointing" in sections:
+            job, every = plan["checkpointing"]
+            results["checkpoint_cost"] = preemption.checkpoint_cost_section(runner, job, args.devices, every)
+        if "resume" in sections:
+            job, every, launches = plan["resume"]
+            results["resume_latency"] = preemption.resume_latency_section(runner, job, args.devices, every, launches)
     wall = time.perf_counter() - started
     common = {
         "mode": mode,

@@ -6,6 +6,7 @@
     worker.py evaluate ...   flair_fabric.evaluate(devices=N) of a dev split (and, for N=1, flair's model.evaluate)
     worker.py evaluate-native ...  what flair's multi_gpu=True does: N processes each evaluate the whole dev split
     worker.py sharding ...   FabricTrainer(devices=N, strategy=ddp|fsdp): epoch time and memory of every rank
+    worker.py checkpointing|resume-prepare|resume ...   the preemption benchmarks (preemption_worker.py)
 
 Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 import common
 import flair
+import preemption_worker
 import torch
 from common import EpochTimer, Workload, build_model, quiet_flair, run_flair_style, train_only_corpus
 from flair.trainers import ModelTrainer
@@ -42,7 +44,20 @@ VARIANTS = ("auto", "true", "false")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["overhead", "fabric", "native", "evaluate", "evaluate-native", "sharding"])
+    parser.add_argument(
+        "mode",
+        choices=[
+            "overhead",
+            "fabric",
+            "native",
+            "evaluate",
+            "evaluate-native",
+            "sharding",
+            "checkpointing",
+            "resume-prepare",
+            "resume",
+        ],
+    )
     parser.add_argument("--model", choices=common.MODELS, required=True)
     parser.add_argument("--train-size", type=int, required=True, help="evaluate: the size of the dev split")
     parser.add_argument("--batch-size", type=int, required=True)
@@ -52,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--variants", default="auto", help="fabric: comma-separated find_unused_parameters values")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="sharding: the strategy")
+    parser.add_argument("--every", type=int, default=50, help="checkpointing, resume-prepare: checkpoint every n steps")
+    parser.add_argument("--resume-from", type=Path, help="resume: the checkpoint folder")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--base-path", type=Path, help="fabric: training folder, the same on every rank (nothing is saved)"
@@ -386,6 +403,11 @@ def main() -> None:
         "evaluate": evaluate_split,
         "evaluate-native": evaluate_native,
         "sharding": sharding,
+        "checkpointing": lambda a: preemption_worker.checkpointing(
+            a, workload_of(a), warmup_of(workload_of(a), a.devices)
+        ),
+        "resume-prepare": lambda a: preemption_worker.resume_prepare(a, workload_of(a)),
+        "resume": lambda a: preemption_worker.resume(a, workload_of(a)),
     }
     modes[args.mode](args)
     if os.environ.get("LOCAL_RANK", "0") == "0":
