@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench lint clean mutation-check
+.PHONY: install test test-fast demo bench lint clean mutation-check gpu-check gpu-check-dry
 
 install: $(STAMP)
 
@@ -28,6 +28,15 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python benchmarks/run.py
+
+# The GPU check (docs/gpu-check.md). On a CUDA machine without network: PYTHON is the interpreter that holds torch
+# there; the wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them where PyPI is reachable) are installed into
+# /tmp/site and flair_fabric is read from this working tree. Without CUDA it exits at once with code 2.
+gpu-check:
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PYTHON) benchmarks/gpu_check.py $(if $(wildcard .whl/*.whl),--install-wheels)
+
+gpu-check-dry: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python benchmarks/gpu_check.py --dry --out runs/gpu-check-dry
 
 mutation-check: $(STAMP)
 	$(BIN)/python tests/mutation_check.py

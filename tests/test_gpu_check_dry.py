@@ -1,0 +1,106 @@
+"""The prepared GPU check (benchmarks/gpu_check.py): its CPU dry run passes, and without CUDA it refuses to run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+DRY_RUN_TIMEOUT_S = 300  # the dry run takes about 15 s on 2 CPU cores; its own budget is 150 s
+# checks the dry run must run (and pass) on CPU; every other check is CUDA-only there
+CPU_CHECKS = {
+    "throughput_batch_32",
+    "throughput_batch_128",
+    "evaluate_vs_flair",
+    "parity_one_device",
+    "precision_32_true",
+    "precision_bf16_mixed",
+    "precision_bf16_true",
+    "precision_use_amp",
+    "strategy_lightning_fsdp_object",
+    "strategy_fsdp",
+    "strategy_ddp_2_processes",
+}
+
+
+def run_gpu_check(*args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python benchmarks/gpu_check.py ARGS`` in a fresh interpreter, offline, outside any launcher."""
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+    environment.pop("LOCAL_RANK", None)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One dry run for all the tests of this module."""
+    out = tmp_path_factory.mktemp("gpu-check-dry")
+    return run_gpu_check("--dry", "--out", str(out), timeout=DRY_RUN_TIMEOUT_S), out
+
+
+def report_of(out: Path) -> dict[str, Any]:
+    return json.loads((out / "gpu_check.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.multiprocess
+def test_dry_run_exits_0_and_writes_json_and_markdown(dry_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    completed, out = dry_run
+    assert completed.returncode == 0, completed.stdout[-6000:] + completed.stderr[-3000:]
+    report = report_of(out)
+    assert report["mode"] == "dry"
+    assert report["summary"]["failed"] == 0
+    assert (out / "README.md").read_text(encoding="utf-8").startswith("# flair-fabric GPU check")
+    assert report["wall_seconds"] < report["budget_seconds"]
+
+
+@pytest.mark.multiprocess
+def test_dry_run_passes_every_cpu_check(dry_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    _, out = dry_run
+    checks = {check["name"]: check for check in report_of(out)["checks"]}
+    assert set(checks) >= CPU_CHECKS
+    for name in CPU_CHECKS:
+        assert not checks[name]["cuda_only"], name
+        assert checks[name]["status"] == "passed", (name, checks[name]["reason"])
+
+
+@pytest.mark.multiprocess
+def test_dry_run_skips_every_cuda_check_with_a_reason(dry_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    _, out = dry_run
+    cuda_checks = [check for check in report_of(out)["checks"] if check["name"] not in CPU_CHECKS]
+    assert cuda_checks, "the CUDA-only checks are listed"
+    markdown = (out / "README.md").read_text(encoding="utf-8")
+    for check in cuda_checks:
+        assert check["cuda_only"], check["name"]
+        assert check["status"] == "skipped", (check["name"], check["reason"])
+        assert check["reason"].startswith("CUDA only: ") and len(check["reason"]) > len("CUDA only: "), check
+        assert f"| {check['name']} | **skipped** |" in markdown, check["name"]
+
+
+def test_without_cuda_and_without_dry_exits_2_at_once(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    completed = run_gpu_check("--out", str(tmp_path / "out"), timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert time.perf_counter() - started < 60, "no unit may start without CUDA"  # importing torch: a few seconds
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert "no CUDA device: run make gpu-check-dry for the CPU dry run" in completed.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_refuses_to_write_into_the_gpu_results() -> None:
+    completed = run_gpu_check("--dry", "--out", str(SCRIPT.parent / "results" / "gpu"), timeout=120)
+    assert completed.returncode != 0
+    assert "must not write into" in completed.stderr
