@@ -1,6 +1,7 @@
 """flair-fabric: train flair models on many devices and machines with Lightning Fabric."""
 
 from flair_fabric.evaluation.api import evaluate
+from flair_fabric.language_model.trainer import FabricLanguageModelTrainer
 from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin, rank_zero_only
 from flair_fabric.strategies.ddp import FlairDDPStrategy
@@ -8,6 +9,7 @@ from flair_fabric.strategies.fsdp import FlairFSDPStrategy
 from flair_fabric.trainer import FabricTrainer
 
 __all__ = [
+    "FabricLanguageModelTrainer",
     "FabricTrainer",
     "FlairDDPStrategy",
     "FlairFSDPStrategy",

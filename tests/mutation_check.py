@@ -416,6 +416,66 @@ MUTATIONS = [
         [("flair_fabric/launch/workers.py", "        one_cpu_thread_after_fork()\n", "        pass\n")],
         ["tests/launch/test_launching.py", "-k", "forked_workers_after and 1"],
     ),
+    Mutation(
+        "language model: every rank trains the first columns",
+        "N ranks with b columns train as one process with N*b",
+        [
+            (
+                "flair_fabric/language_model/columns.py",
+                "columns[:, rank * per_rank : (rank + 1) * per_rank]",
+                "columns[:, 0:per_rank]",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "two_processes and ddp_fork"],
+    ),
+    Mutation(
+        "language model: validation loss of rank 0's columns only",
+        "validation perplexity across the ranks equals one process's",
+        [
+            (
+                "flair_fabric/language_model/loop.py",
+                'return float(cast(torch.Tensor, self.fabric.all_reduce(total, reduce_op="mean")).item())',
+                "return rank_loss",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "two_processes and ddp_fork"],
+    ),
+    Mutation(
+        "language model: ranks start from their own generators",
+        "the ranks read the text as one process does (same shuffles and case flips)",
+        [
+            (
+                "flair_fabric/language_model/loop.py",
+                "        start_from_the_callers_generators(fabric, a.generators)\n",
+                "",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "two_processes and ddp_fork"],
+    ),
+    Mutation(
+        "language model: the caller's model is not updated after fork/spawn",
+        "the caller's model holds the trained weights",
+        [("flair_fabric/language_model/trainer.py", "        self.model.load_state_dict(trained.weights)\n", "")],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "two_processes and ddp_fork"],
+    ),
+    Mutation(
+        "language model: resume keeps the generators of the skipped reads",
+        "a killed run resumes to the uninterrupted result",
+        [
+            (
+                "flair_fabric/language_model/loop.py",
+                'set_rng_state(cast(dict[str, Any], resumed)["generators"])',
+                "pass",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "killed"],
+    ),
+    Mutation(
+        "language model: resume draws a new file order for the epoch",
+        "a killed run resumes to the uninterrupted result",
+        [("flair_fabric/language_model/loop.py", '            set_rng_state(resumed["epoch_generators"])\n', "")],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "killed"],
+    ),
 ]
 
 

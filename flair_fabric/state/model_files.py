@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import flair
@@ -20,30 +21,38 @@ from flair_fabric.distributed.stalls import wait_for_global_zero
 from flair_fabric.state.model_state import flair_state, save_flair_state
 
 
+def write_atomically(path: str | Path, write: Callable[[str], None]) -> None:
+    """``write(temporary)`` into a temporary file in ``path``'s folder, then a rename to ``path``.
+
+    A reader never sees a half-written file, and a crash during the write leaves the previous file intact."""
+    path = Path(path)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(descriptor)
+    try:
+        write(temporary)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a model file gets the usual permissions
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def save_model_atomically(
     model: flair.nn.Model,
     path: str | Path,
     checkpoint: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """``model.save(path)`` through a temporary file in the same folder and a rename.
+    """``model.save(path)`` through :func:`write_atomically`. ``weights``, if given, are written as the model's state
+    dict (the consolidated weights of a sharded model)."""
 
-    A reader never sees a half-written file, and a crash during the save leaves the previous file intact.
-    ``weights``, if given, are written as the model's state dict (the consolidated weights of a sharded model).
-    """
-    path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(descriptor)
-    try:
+    def write(temporary: str) -> None:
         if weights is None:
             model.save(temporary, checkpoint=checkpoint)
         else:
             save_flair_state(flair_state(model, weights), temporary)
-        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp makes 0600; a model file gets the usual permissions
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+
+    write_atomically(path, write)
 
 
 def check_writable_folder(base_path: str | Path) -> None:

@@ -1,0 +1,25 @@
+"""A user's script that trains a character language model on 2 processes with the script relaunch
+(``strategy="ddp"``): `python language_model_ddp.py OUT`. Each rank writes its final weights to OUT/weights-RANK.pt."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from flair_fabric import FabricLanguageModelTrainer
+from tests.language_model.lm_support import LM_OPTIONS, seeded, tiny_corpus, tiny_language_model
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    corpus = tiny_corpus(out / "corpus")
+    model = tiny_language_model(corpus)
+    seeded()
+    FabricLanguageModelTrainer(model, corpus).train(
+        out / "run", mini_batch_size=2, devices=2, strategy="ddp", accelerator="cpu", **LM_OPTIONS
+    )
+    torch.save(model.state_dict(), out / f"weights-{os.environ.get('LOCAL_RANK', '0')}.pt")
