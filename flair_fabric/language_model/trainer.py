@@ -11,7 +11,6 @@ import torch
 from flair.models import LanguageModel
 from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorpus
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy
 from torch.optim import Optimizer
 from torch.optim.sgd import SGD
 
@@ -24,8 +23,8 @@ from flair_fabric.launch.environment import restarted_by_torchrun
 from flair_fabric.launch.workers import run_on_every_rank, starts_workers
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.training_state import rng_state
+from flair_fabric.strategies import keeps_whole_model
 from flair_fabric.strategies.ddp import FlairDDPStrategy
-from flair_fabric.strategies.fsdp import FlairFSDPStrategy
 
 
 @dataclass
@@ -118,7 +117,7 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
             use_amp=use_amp,
             collective_timeout=collective_timeout,
         )
-        if isinstance(launch.strategy, FlairFSDPStrategy | DeepSpeedStrategy):
+        if not keeps_whole_model(launch.strategy):
             raise ValueError(
                 f"strategy={strategy!r}: FabricLanguageModelTrainer trains with DDP ('ddp', 'ddp_spawn', 'ddp_fork',"
                 " 'ddp_notebook' or 'auto'); a character language model fits on every device."

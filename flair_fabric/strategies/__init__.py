@@ -27,6 +27,11 @@ def is_supported(strategy: Strategy) -> bool:
     return isinstance(strategy, (*LAUNCHING_STRATEGIES, DeepSpeedStrategy))
 
 
+def keeps_whole_model(strategy: Strategy | str) -> bool:
+    """Whether every rank holds the whole model and optimizer (DDP, one device), as opposed to shards of them."""
+    return not isinstance(strategy, (FlairFSDPStrategy, DeepSpeedStrategy))
+
+
 def check_strategy(strategy: Strategy | str, accelerator: str, precision: str) -> None:
     """The checks each strategy makes of the launch arguments it is given (before any process starts)."""
     if isinstance(strategy, FlairFSDPStrategy):
@@ -42,5 +47,6 @@ __all__ = [
     "TrainingStrategy",
     "check_strategy",
     "is_supported",
+    "keeps_whole_model",
     "training_strategy",
 ]
