@@ -476,6 +476,48 @@ MUTATIONS = [
         [("flair_fabric/language_model/loop.py", '            set_rng_state(resumed["epoch_generators"])\n', "")],
         ["tests/language_model/test_language_model_trainer.py", "-k", "killed"],
     ),
+    Mutation(
+        "predict: rank 0 keeps only its own batches' labels",
+        "every data point gets the labels flair's predict gives it",
+        [
+            (
+                "flair_fabric/prediction/sharding.py",
+                "            put_labels(data_points[index], labels)\n",
+                "            pass\n",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "uneven_sizes and 7"],
+    ),
+    Mutation(
+        "predict: forked workers' labels stay in the workers",
+        "the caller's data points get the labels",
+        [("flair_fabric/prediction/api.py", "        _put_labels(data_points, predicted)\n", "        pass\n")],
+        ["tests/prediction/test_predict.py", "-k", "in_memory and text"],
+    ),
+    Mutation(
+        "predict: a chunk's records written in the order of the batches",
+        "streamed output in input order",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "                for record in chunk:\n",
+                "                for record in sorted(chunk, key=lambda r: -len(r.sentence or [])):\n",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "20000"],
+    ),
+    Mutation(
+        "predict: the output written in place",
+        "a killed job leaves no output file",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "        write_atomically(stream.out_path, predict_all)",
+                "        predict_all(str(stream.out_path))",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "killed"],
+    ),
 ]
 
 

@@ -1,0 +1,123 @@
+"""``python -m flair_fabric predict|evaluate``: a thin command line over :func:`flair_fabric.predict` and
+:func:`flair_fabric.evaluate`.
+
+    python -m flair_fabric predict --model out/best-model.pt --input big.conll --input-format conll \\
+           --output big.pred.conll --devices 4 --mini-batch-size 64
+    python -m flair_fabric evaluate --model out/best-model.pt --input test.conll --gold-label-type ner --devices 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import flair
+from flair.datasets import ColumnDataset
+
+import flair_fabric
+from flair_fabric.prediction.formats import INPUT_FORMATS, OUTPUT_FORMATS
+
+
+def load_model(path: str) -> flair.nn.Model:
+    """The flair model saved in ``path``, or a clear error (missing file, not a flair model)."""
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--model {path}: no such file; pass a model saved by flair (e.g. out/best-model.pt).")
+    try:
+        return flair.nn.Model.load(file)
+    except (pickle.UnpicklingError, RuntimeError, KeyError, ValueError, EOFError, AttributeError) as error:
+        raise SystemExit(f"--model {path}: not a flair model file ({type(error).__name__}: {error}).") from None
+
+
+def _launch_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("processes (Lightning's arguments)")
+    group.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, gpu or mps (default: auto)")
+    group.add_argument("--devices", default="auto", help="devices (processes) per machine (default: auto)")
+    group.add_argument("--num-nodes", type=int, default=1, help="machines (default: 1)")
+    group.add_argument("--strategy", default="auto", help="auto, ddp, ddp_spawn, ddp_fork (default: auto)")
+    parser.add_argument("--mini-batch-size", type=int, default=32, help="data points per batch (default: 32)")
+
+
+def _devices(value: str) -> int | str:
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(prog="python -m flair_fabric", description=__doc__.split("\n\n")[0])
+    main.add_argument("--version", action="version", version=f"flair-fabric {flair_fabric.__version__}")
+    commands = main.add_subparsers(dest="command", required=True)
+
+    predict = commands.add_parser("predict", help="label a file with a trained model, split across processes")
+    predict.add_argument("--model", required=True, help="a model file saved by flair")
+    predict.add_argument("--input", required=True, help="the file to label")
+    predict.add_argument("--input-format", choices=INPUT_FORMATS, default="text", help="text: a sentence per line")
+    predict.add_argument("--output", required=True, help="the file to write (written once, complete)")
+    predict.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None, help="default: from the suffix")
+    predict.add_argument("--tokenizer", choices=("segtok", "space"), default="segtok", help="for text input")
+    predict.add_argument("--label-name", default=None, help="the label name to write (default: the model's)")
+    predict.add_argument("--chunk-size", type=int, default=None, help="records read at a time")
+    predict.add_argument("--all-probabilities", action="store_true", help="scores of every class (classifiers)")
+    predict.add_argument("--precision", default=None, help="a Fabric precision, e.g. bf16-mixed (default: 32-true)")
+    _launch_options(predict)
+
+    evaluate = commands.add_parser("evaluate", help="score a trained model on a labelled CoNLL file")
+    evaluate.add_argument("--model", required=True, help="a model file saved by flair")
+    evaluate.add_argument("--input", required=True, help="CoNLL columns: token, then the gold labels")
+    evaluate.add_argument("--gold-label-type", required=True, help="the label type to score, e.g. ner")
+    evaluate.add_argument("--column", type=int, default=1, help="the column of the gold labels (default: 1)")
+    evaluate.add_argument("--output", default=None, help="flair's prediction file (optional)")
+    evaluate.add_argument("--json", action="store_true", help="print the scores as JSON")
+    _launch_options(evaluate)
+    return main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not Path(args.input).is_file():
+        raise SystemExit(f"--input {args.input}: no such file.")
+    model = load_model(args.model)
+    launch = {
+        "accelerator": args.accelerator,
+        "devices": _devices(args.devices),
+        "num_nodes": args.num_nodes,
+        "strategy": args.strategy,
+        "mini_batch_size": args.mini_batch_size,
+    }
+    try:
+        if args.command == "predict":
+            summary = flair_fabric.predict(
+                model,
+                args.input,
+                out_path=args.output,
+                input_format=args.input_format,
+                output_format=args.output_format,
+                tokenizer=args.tokenizer == "segtok",
+                chunk_size=args.chunk_size,
+                label_name=args.label_name,
+                return_probabilities_for_all_classes=args.all_probabilities,
+                precision=args.precision,
+                **launch,
+            )
+            print(f"{summary.predicted} predicted, {len(summary.skipped)} skipped, {summary.per_second:.1f}/s")
+            for line, problem in summary.skipped:
+                print(f"{args.input}:{line}: skipped ({problem})", file=sys.stderr)
+            return 0
+        data = ColumnDataset(Path(args.input), {0: "text", args.column: args.gold_label_type})
+        if len(data) == 0:
+            raise SystemExit(f"--input {args.input}: no sentences in it.")
+        result = flair_fabric.evaluate(model, data, args.gold_label_type, out_path=args.output, **launch)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    scores = {
+        "main_score": result.main_score,
+        **{
+            " ".join(map(str, key)) if isinstance(key, tuple) else str(key): value
+            for key, value in result.scores.items()
+        },
+    }
+    print(json.dumps(scores, default=str) if args.json else result.detailed_results)
+    return 0

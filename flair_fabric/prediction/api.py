@@ -1,0 +1,242 @@
+"""``flair_fabric.predict``: a trained flair model's ``predict`` split across processes started (or found) by Fabric
+exactly as for training; in memory (labels land on the caller's data points) or streamed from a file to a file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import flair
+import torch
+from flair.data import DataPoint
+from flair.file_utils import Tqdm
+from lightning.fabric import Fabric
+
+from flair_fabric.evaluation.predictions import RecordedLabel
+from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
+from flair_fabric.launch.workers import run_on_every_rank, starts_workers
+from flair_fabric.prediction.formats import (
+    INPUT_FORMATS,
+    WRITERS,
+    Record,
+    check_format,
+    output_format_for,
+    read_conll,
+    read_text,
+)
+from flair_fabric.prediction.sharding import Predicted, label_names_of, predict_across_ranks, put_labels
+from flair_fabric.state.model_files import write_atomically
+
+log = logging.getLogger("flair")
+
+
+@dataclass
+class PredictionSummary:
+    """What a streamed prediction did: records read, predicted and skipped (line number, reason), and its time."""
+
+    read: int = 0
+    predicted: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def per_second(self) -> float:
+        """Data points predicted per second."""
+        return self.predicted / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Stream:
+    path: Path
+    input_format: str
+    out_path: Path
+    output_format: str
+    tokenizer: Any
+    chunk_size: int
+
+
+@dataclass
+class _PredictionJob:
+    model: flair.nn.Model
+    data: Sequence[DataPoint] | _Stream
+    predict_kwargs: dict[str, Any]
+    return_labels: bool  # the ranks are workers: rank 0's labels come back for the caller's data points
+
+
+def _prepare(fabric: Fabric, model: flair.nn.Model) -> None:
+    flair.device = fabric.device
+    model.to(fabric.device)
+    fabric.strategy.precision.convert_module(model)  # "-true" precisions; mixed ones run under autocast below
+    model.eval()
+
+
+def _predict_on_rank(fabric: Fabric, job: _PredictionJob) -> Any:
+    _prepare(fabric, job.model)
+    with fabric.autocast():
+        if isinstance(job.data, _Stream):
+            return _predict_stream(fabric, job.model, job.data, job.predict_kwargs)
+        predicted = predict_across_ranks(fabric, job.model, job.data, job.predict_kwargs)
+    if fabric.world_size > 1 and not job.return_labels:  # every rank of the script gets the labels on its data
+        predicted = fabric.broadcast(predicted, src=0)
+        if not fabric.is_global_zero:
+            _put_labels(job.data, predicted)
+    return predicted
+
+
+def _put_labels(data: Sequence[DataPoint], predicted: Predicted | None) -> None:
+    assert predicted is not None
+    for data_point, labels in zip(data, predicted.labels, strict=True):
+        put_labels(data_point, labels)
+
+
+def _records(stream: _Stream) -> Iterator[Record]:
+    if stream.input_format == "conll":
+        return read_conll(stream.path)
+    return read_text(stream.path, stream.tokenizer)
+
+
+def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwargs: dict[str, Any]) -> Any:
+    """Every rank reads the same chunk of records and predicts its share; global rank 0 writes them in input order
+    to a temporary file, renamed to ``out_path`` when every record is accounted for."""
+    summary, started = PredictionSummary(), time.time()
+    names = label_names_of(model, kwargs.get("label_name"))
+    write = WRITERS[stream.output_format]
+    records = _records(stream)
+    bar = Tqdm.tqdm(desc="predicting", unit=" data points", disable=not fabric.is_global_zero or not _terminal())
+
+    def predict_all(target: str) -> None:
+        with open(target, "w", encoding="utf-8") if fabric.is_global_zero else open(os.devnull, "w") as output:
+            while chunk := list(islice(records, stream.chunk_size)):
+                sentences = [record.sentence for record in chunk if record.sentence is not None]
+                predict_across_ranks(fabric, model, sentences, kwargs)
+                summary.read += len(chunk)
+                summary.predicted += len(sentences)
+                summary.skipped += [(record.line, record.problem) for record in chunk if record.problem is not None]
+                for record in chunk:
+                    if record.sentence is not None:
+                        write(output, record, names)
+                bar.update(len(sentences))
+        if summary.read != summary.predicted + len(summary.skipped):
+            raise RuntimeError(f"{summary.read} records read, {summary.predicted} predicted, {summary.skipped} skipped")
+
+    if fabric.is_global_zero:
+        write_atomically(stream.out_path, predict_all)
+    else:
+        predict_all(os.devnull)
+    bar.close()
+    summary.seconds = time.time() - started
+    if fabric.is_global_zero:
+        _report(summary, stream)
+    return summary
+
+
+def _report(summary: PredictionSummary, stream: _Stream) -> None:
+    log.info(
+        f"predicted {summary.predicted} data point(s) of {stream.path} in {summary.seconds:.1f} s"
+        f" ({summary.per_second:.1f}/s) into {stream.out_path}"
+    )
+    for line, problem in summary.skipped[:20]:
+        log.warning(f"{stream.path}:{line}: skipped ({problem})")
+    if len(summary.skipped) > 20:
+        log.warning(f"... {len(summary.skipped) - 20} more skipped; all of them in the returned summary")
+
+
+def _terminal() -> bool:
+    return os.isatty(2)
+
+
+def predict(
+    model: flair.nn.Model,
+    data: DataPoint | Sequence[DataPoint] | str | Path,
+    *,
+    out_path: str | Path | None = None,
+    input_format: str = "text",
+    output_format: str | None = None,
+    tokenizer: Any = True,
+    chunk_size: int | None = None,
+    mini_batch_size: int = 32,
+    return_probabilities_for_all_classes: bool = False,
+    verbose: bool = False,
+    label_name: str | None = None,
+    return_loss: bool = False,
+    embedding_storage_mode: str = "none",
+    accelerator: str = "auto",
+    devices: DevicesArgument = "auto",
+    num_nodes: int = 1,
+    strategy: StrategyArgument = "auto",
+    precision: str | int | None = None,
+) -> Any:
+    """``model.predict`` with the batches split across processes.
+
+    ``data``: data points (a list, or one), whose labels then equal those of flair's ``predict`` in one process, also
+    when the processes are spawned or forked workers; returns them as flair does. Or a file path: read in chunks of
+    ``chunk_size`` records (``input_format`` ``"text"``, one sentence per line tokenized with ``tokenizer`` as
+    flair's ``Sentence`` does, or ``"conll"``), written in input order to ``out_path`` (``output_format``
+    ``"jsonl"`` or ``"conll"``, by default from its suffix) by global rank 0; returns a :class:`PredictionSummary`.
+    Takes flair's ``predict`` arguments plus Lightning's, which start processes as
+    :class:`~flair_fabric.FabricTrainer` does.
+    """
+    if not hasattr(model, "predict"):
+        raise ValueError(f"model: a {type(model).__name__} has no predict method; pass a trained flair model.")
+    config = make_launch_config(
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        use_amp=False,
+    )
+    kwargs = {
+        "mini_batch_size": mini_batch_size,
+        "return_probabilities_for_all_classes": return_probabilities_for_all_classes,
+        "verbose": verbose,
+        "label_name": label_name,
+        "return_loss": return_loss,
+        "embedding_storage_mode": embedding_storage_mode,
+    }
+    fabric = build_fabric(config)
+    workers = starts_workers(fabric)
+    if isinstance(data, str | Path):
+        stream = _checked_stream(Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config)
+        job = _PredictionJob(model, stream, kwargs, return_labels=False)
+        return run_on_every_rank(fabric, _predict_on_rank, job, result_types=[PredictionSummary])
+    data_points = [data] if isinstance(data, DataPoint) else list(data)
+    job = _PredictionJob(model, data_points, kwargs, return_labels=workers)
+    predicted = run_on_every_rank(fabric, _predict_on_rank, job, result_types=[Predicted, RecordedLabel])
+    if workers:  # they predicted copies: label the caller's data points
+        _put_labels(data_points, predicted)
+    if return_loss:  # as flair's predict: the summed loss and the number of labels
+        loss_sum, count = predicted.loss
+        return torch.tensor(loss_sum, device=flair.device), count
+    return data
+
+
+def _checked_stream(
+    path: Path,
+    input_format: str,
+    out_path: str | Path | None,
+    output_format: str | None,
+    tokenizer: Any,
+    chunk_size: int | None,
+    config: Any,
+) -> _Stream:
+    if not path.is_file():
+        raise ValueError(f"data={str(path)!r} is not a file: pass an existing input file (or a list of data points).")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data={str(path)!r} is empty: there is nothing to predict.")
+    check_format("input_format", input_format, INPUT_FORMATS)
+    if out_path is None:
+        raise ValueError("out_path is needed when data is a file: pass the file the predictions are written to.")
+    out = Path(out_path)
+    if not out.parent.is_dir():
+        raise ValueError(f"out_path={str(out_path)!r}: its folder does not exist; create it first.")
+    size = chunk_size or 64 * config.world_size * 32
+    if size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is not valid: pass a positive whole number.")
+    return _Stream(path, input_format, out, output_format_for(out, output_format), tokenizer, size)

@@ -1,0 +1,244 @@
+"""flair_fabric.predict against flair's own predict in one process: in memory (every flair model family, 2 and 3
+ranks, spawn and fork, uneven sizes), streamed (a 20,000-line file, order, a killed job), the command line, bad
+input."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flair.data import DataPoint, Sentence
+from flair.datasets import ColumnCorpus, ColumnDataset
+from flair.models import SequenceTagger, TextClassifier
+from flair.trainers import ModelTrainer
+
+import flair_fabric
+from flair_fabric.datasets import TREC_LABEL_TYPE, trec_questions
+from flair_fabric.evaluation.predictions import record_labels
+from flair_fabric.prediction.sharding import label_names_of
+
+from ..model_zoo import ZOO, points_of
+from ..support import REPO, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
+
+FORK = {"accelerator": "cpu", "strategy": "ddp_fork"}
+
+
+def _labels(data_points: list[DataPoint], names: list[str]) -> list[list[tuple[Any, str, float]]]:
+    return [
+        [(label.address, label.value, label.score) for name in names for label in record_labels(point, name)]
+        for point in data_points
+    ]
+
+
+def _assert_same_labels(ours: list[DataPoint], theirs: list[DataPoint], names: list[str]) -> None:
+    expected, got = _labels(theirs, names), _labels(ours, names)
+    assert sum(map(len, expected)) > 0, "the model predicts something"
+    for mine, reference in zip(got, expected, strict=True):
+        assert [(address, value) for address, value, _ in mine] == [(a, v) for a, v, _ in reference]
+        assert all(abs(a[2] - b[2]) <= 1e-6 for a, b in zip(mine, reference, strict=True))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["text", "multi_label", "tagger_crf", "tagger", "relation_extractor", "multitask"])
+def test_in_memory_labels_and_scores_equal_flairs_predict(tmp_path: Path, family: str) -> None:
+    model, corpus, _ = ZOO[family](tmp_path / "a")
+    model.eval()
+    _, same_corpus, _ = ZOO[family](tmp_path / "b")  # the same data points again (sentences with spans do not copy)
+    reference, ours = points_of(corpus), points_of(same_corpus)
+    options = {"mini_batch_size": 4, "return_probabilities_for_all_classes": family == "text"}
+    model.predict(reference, **options)
+    returned = flair_fabric.predict(model, ours, devices=2, **FORK, **options)
+    assert returned is ours
+    _assert_same_labels(ours, reference, label_names_of(model, None))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("size", "devices", "strategy"), [(0, 2, "ddp_fork"), (1, 3, "ddp_fork"), (7, 3, "ddp_spawn")])
+def test_uneven_sizes_on_2_and_3_ranks_spawned_or_forked(size: int, devices: int, strategy: str) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    data = [Sentence(sentence.to_original_text()) for sentence in list(corpus.test)[:size]]
+    reference = copy.deepcopy(data)
+    model.predict(reference, mini_batch_size=2)
+    flair_fabric.predict(model, data, devices=devices, accelerator="cpu", strategy=strategy, mini_batch_size=2)
+    if size:
+        _assert_same_labels(data, reference, [TREC_LABEL_TYPE])
+
+
+@pytest.fixture(scope="module")
+def trained_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A TREC classifier trained for one epoch, saved by flair."""
+    out = tmp_path_factory.mktemp("classifier")
+    corpus = small_trec()
+    ModelTrainer(tiny_text_classifier(corpus), corpus).train(out, max_epochs=1, mini_batch_size=8)
+    return out / "final-model.pt"
+
+
+def _question_file(path: Path, lines: int) -> Path:
+    questions = [text for text, _ in trec_questions()]
+    with path.open("w", encoding="utf-8") as stream:
+        for number in range(lines):
+            stream.write(f"{questions[number % len(questions)]} ({number})\n")
+    return path
+
+
+@pytest.mark.multiprocess
+def test_a_20000_line_file_through_2_ranks_equals_one_process_line_by_line(
+    trained_classifier: Path, tmp_path: Path
+) -> None:
+    source = _question_file(tmp_path / "questions.txt", 20_000)
+    model = TextClassifier.load(trained_classifier)
+    chunk = 4096
+    summary = flair_fabric.predict(
+        model, source, out_path=tmp_path / "out.jsonl", devices=2, chunk_size=chunk, mini_batch_size=64, **FORK
+    )
+    assert (summary.read, summary.predicted, summary.skipped) == (20_000, 20_000, [])
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [row["line"] for row in rows] == list(range(1, 20_001)), "input order"
+    lines = source.read_text().splitlines()
+    for start in (0, 8192, 16384):  # flair's predict, one process, on the same chunks
+        sentences = [Sentence(text) for text in lines[start : start + chunk]]
+        model.predict(sentences, mini_batch_size=64)
+        for sentence, row in zip(sentences, rows[start : start + chunk], strict=True):
+            label = sentence.get_label(TREC_LABEL_TYPE)
+            assert row["text"] == sentence.to_original_text()
+            assert (row["labels"][0]["value"], round(row["labels"][0]["score"], 6)) == (
+                label.value,
+                round(label.score, 6),
+            )
+
+
+class _DiesOnThirdChunk(TextClassifier):
+    calls = 0
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).calls += 1
+        if type(self).calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().predict(*args, **kwargs)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_job_leaves_no_output_file(trained_classifier: Path, tmp_path: Path) -> None:
+    model = TextClassifier.load(trained_classifier)
+    model.__class__ = _DiesOnThirdChunk
+    source = _question_file(tmp_path / "questions.txt", 400)
+    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+        flair_fabric.predict(model, source, out_path=tmp_path / "out.jsonl", devices=2, chunk_size=64, **FORK)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_unreadable_lines_are_reported_with_their_numbers_and_counted(trained_classifier: Path, tmp_path: Path) -> None:
+    source = tmp_path / "mixed.txt"
+    source.write_bytes(b"What is a cat ?\n\nWho wrote Emma ?\n\xff\xfe broken\n" + b"x" * 200 + b"\nWhere is Bath ?\n")
+    model = TextClassifier.load(trained_classifier)
+    summary = flair_fabric.predict(
+        model, source, out_path=tmp_path / "out.conll", devices=1, accelerator="cpu", tokenizer=True
+    )
+    assert summary.skipped == [(2, "blank line"), (4, "not UTF-8")]
+    assert summary.read == 6 and summary.predicted == 4
+    out = (tmp_path / "out.conll").read_text()
+    assert out.count(f"# {TREC_LABEL_TYPE} = ") == 4 and "Bath" in out
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, "-m", "flair_fabric", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+@pytest.mark.multiprocess
+def test_the_command_line_predicts_and_evaluates_with_a_model_trained_here(tmp_path: Path) -> None:
+    small_wnut(tmp_path / "wnut", train_size=30, dev_size=5, test_size=5)
+    for split in ("dev.txt", "test.txt"):  # the training tweets again: every tag is known to the tagger
+        shutil.copy(tmp_path / "wnut" / "train.txt", tmp_path / "wnut" / split)
+    ner = ColumnCorpus(tmp_path / "wnut", {0: "text", 1: "ner"}, column_delimiter="\t")
+    tagger = tiny_sequence_tagger(ner)
+    ModelTrainer(tagger, ner).train(tmp_path / "tagger", max_epochs=2, mini_batch_size=8)
+    model = str(tmp_path / "tagger" / "final-model.pt")
+    test_file = str(tmp_path / "wnut" / "test.txt")
+    predicted = _cli(
+        "predict",
+        "--model",
+        model,
+        "--input",
+        test_file,
+        "--input-format",
+        "conll",
+        "--output",
+        str(tmp_path / "pred.conll"),
+        "--devices",
+        "2",
+        "--strategy",
+        "ddp_fork",
+        "--accelerator",
+        "cpu",
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert "30 predicted, 0 skipped" in predicted.stdout
+    blocks = (tmp_path / "pred.conll").read_text().strip().split("\n\n")
+    assert len(blocks) == 30 and all(len(line.split("\t")) == 3 for line in blocks[0].splitlines())
+    scored = _cli(
+        "evaluate",
+        "--model",
+        model,
+        "--input",
+        test_file,
+        "--gold-label-type",
+        "ner",
+        "--json",
+        "--devices",
+        "2",
+        "--strategy",
+        "ddp_fork",
+        "--accelerator",
+        "cpu",
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    reference = SequenceTagger.load(model)
+    expected = reference.evaluate(ColumnDataset(Path(test_file), {0: "text", 1: "ner"}), "ner", mini_batch_size=32)
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["main_score"] == pytest.approx(expected.main_score)
+    version = _cli("--version")
+    assert version.stdout.strip() == f"flair-fabric {flair_fabric.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--model", "missing.pt"], r"--model missing.pt: no such file"),
+        (["--model", "README.md"], r"--model README.md: not a flair model file"),
+    ],
+)
+def test_the_command_line_refuses_a_missing_or_foreign_model_file(arguments: list[str], message: str) -> None:
+    completed = _cli("predict", *arguments, "--input", "README.md", "--output", "/tmp/never.jsonl")
+    assert completed.returncode != 0
+    assert re.search(message, completed.stderr), completed.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"input_format": "xml"}, r"input_format='xml' is not a format"),
+        ({"empty": True}, r"is empty: there is nothing to predict"),
+        ({"out_path": None}, r"out_path is needed when data is a file"),
+    ],
+)
+def test_bad_streamed_input_is_refused_before_any_process_starts(
+    trained_classifier: Path, tmp_path: Path, options: dict, message: str
+) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("" if options.pop("empty", False) else "What is a cat ?\n")
+    arguments = {"out_path": tmp_path / "out.jsonl", **options}
+    model = TextClassifier.load(trained_classifier)
+    with pytest.raises(ValueError, match=message):
+        flair_fabric.predict(model, source, devices=2, **FORK, **arguments)
