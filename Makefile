@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench lint clean mutation-check gpu-check gpu-check-dry
+.PHONY: install test test-fast demo demo-lm bench lint clean mutation-check gpu-check gpu-check-dry
 
 install: $(STAMP)
 
@@ -25,6 +25,9 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python examples/demo_trec.py
+
+demo-lm: $(STAMP)
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python examples/language_model/demo_lm.py
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python benchmarks/run.py

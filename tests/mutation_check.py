@@ -486,7 +486,7 @@ MUTATIONS = [
                 "            pass\n",
             )
         ],
-        ["tests/prediction/test_predict.py", "-k", "uneven_sizes and 7"],
+        ["tests/prediction/test_predict.py", "-k", "relaunched"],
     ),
     Mutation(
         "predict: forked workers' labels stay in the workers",
@@ -495,13 +495,13 @@ MUTATIONS = [
         ["tests/prediction/test_predict.py", "-k", "in_memory and text"],
     ),
     Mutation(
-        "predict: a chunk's records written in the order of the batches",
+        "predict: a chunk's records written out of input order",
         "streamed output in input order",
         [
             (
                 "flair_fabric/prediction/api.py",
                 "                for record in chunk:\n",
-                "                for record in sorted(chunk, key=lambda r: -len(r.sentence or [])):\n",
+                "                for record in reversed(chunk):\n",
             )
         ],
         ["tests/prediction/test_predict.py", "-k", "20000"],

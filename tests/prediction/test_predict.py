@@ -27,7 +27,7 @@ from flair_fabric.evaluation.predictions import record_labels
 from flair_fabric.prediction.sharding import label_names_of
 
 from ..model_zoo import ZOO, points_of
-from ..support import REPO, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
+from ..support import REPO, run_script, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
 
 FORK = {"accelerator": "cpu", "strategy": "ddp_fork"}
 
@@ -242,3 +242,11 @@ def test_bad_streamed_input_is_refused_before_any_process_starts(
     model = TextClassifier.load(trained_classifier)
     with pytest.raises(ValueError, match=message):
         flair_fabric.predict(model, source, devices=2, **FORK, **arguments)
+
+
+@pytest.mark.multiprocess
+def test_every_rank_of_a_relaunched_script_gets_flairs_labels_on_its_own_sentences(tmp_path: Path) -> None:
+    run_script("predict_ddp.py", str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"labels-{rank}.json").read_text())
+        assert result["ours"] == result["flair"] and all(result["ours"]), f"rank {rank}"

@@ -1,0 +1,155 @@
+"""Characters per second of flair's LanguageModelTrainer against FabricLanguageModelTrainer, one invocation:
+
+    python benchmarks/language_model.py [--splits 2] [--out benchmarks/results]
+
+Each configuration trains the same forward character LSTM (256 units, 64 columns in all, sequence length 100) for
+one epoch on the same split files of the bundled Austen text, in a fresh process: flair's trainer with 2 torch
+threads; ours in 1 process with 2 threads and with 1; ours on 2 forked processes with 1 thread each. Only the training
+part is counted: the time spent in validation/test scoring and in flair's per-split ``generate_text`` is subtracted.
+Writes ``language_model.json`` and ``language_model.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = [  # name, trainer, processes, threads per process
+    ("flair, 1 process, 2 threads", "flair", 1, 2),
+    ("flair-fabric, 1 process, 2 threads", "fabric", 1, 2),
+    ("flair-fabric, 1 process, 1 thread", "fabric", 1, 1),
+    ("flair-fabric, 2 processes, 1 thread each", "fabric", 2, 1),
+]
+COLUMNS, SEQUENCE_LENGTH, HIDDEN = 64, 100, 256
+
+
+def run_one(corpus_dir: Path, trainer_name: str, processes: int, threads: int, out: Path) -> dict[str, float]:
+    """In this (fresh) process: train one epoch, return the seconds spent in all, in scoring and in generating."""
+    import torch
+    from flair.data import Dictionary
+    from flair.models import LanguageModel
+    from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorpus
+
+    from flair_fabric import FabricLanguageModelTrainer
+
+    torch.set_num_threads(threads)
+    spent = {"scoring": 0.0, "generating": 0.0}
+
+    class TimedModel(LanguageModel):
+        def generate_text(self, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return super().generate_text(*args, **kwargs)
+            finally:
+                spent["generating"] += time.perf_counter() - started
+
+    def timed_evaluate(self: Any, *args: Any) -> float:
+        started = time.perf_counter()
+        try:
+            return base_class.evaluate(self, *args)
+        finally:
+            spent["scoring"] += time.perf_counter() - started
+
+    base_class: Any = LanguageModelTrainer if trainer_name == "flair" else FabricLanguageModelTrainer
+    timed_class = type("Timed", (base_class,), {"evaluate": timed_evaluate})
+    if trainer_name == "fabric":
+
+        def train_on_rank(self: Any, fabric: Any, arguments: Any) -> None:
+            started = time.perf_counter()
+            FabricLanguageModelTrainer.train_on_rank(self, fabric, arguments)
+            if fabric.is_global_zero:
+                (out / "rank0.json").write_text(json.dumps({**spent, "total": time.perf_counter() - started}))
+
+        timed_class.train_on_rank = train_on_rank
+    dictionary = Dictionary.load_from_file(corpus_dir / "chars.pkl")
+    corpus = TextCorpus(corpus_dir, dictionary, forward=True, character_level=True)
+    torch.manual_seed(1)
+    model = TimedModel(dictionary, is_forward_lm=True, hidden_size=HIDDEN, nlayers=1, embedding_size=64)
+    options: dict[str, Any] = {
+        "sequence_length": SEQUENCE_LENGTH,
+        "mini_batch_size": COLUMNS // processes,
+        "max_epochs": 1,
+        "num_workers": 0,
+    }
+    started = time.perf_counter()
+    if trainer_name == "flair":
+        timed_class(model, corpus).train(out / "run", **options)
+        return {**spent, "total": time.perf_counter() - started}
+    strategy = "ddp_fork" if processes > 1 else "auto"
+    timed_class(model, corpus).train(out / "run", accelerator="cpu", devices=processes, strategy=strategy, **options)
+    return json.loads((out / "rank0.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--splits", type=int, default=2, help="training split files used (of 16 cut from the text)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        corpus_dir, trainer_name, processes, threads, out = args.worker
+        result = run_one(Path(corpus_dir), trainer_name, int(processes), int(threads), Path(out))
+        (Path(out) / "result.json").write_text(json.dumps(result))
+        return
+
+    sys.path.insert(0, str(REPO / "examples" / "language_model"))
+    from prepare_corpus import prepare_corpus
+
+    started_at = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with tempfile.TemporaryDirectory() as work:
+        corpus_dir = Path(work) / "corpus"
+        sizes = prepare_corpus(corpus_dir, splits=16)
+        for extra in sorted((corpus_dir / "train").iterdir())[args.splits :]:
+            extra.unlink()
+        characters = sum(sizes[f"train/train_split_{number}"] for number in range(1, args.splits + 1))
+        rows = []
+        for name, trainer_name, processes, threads in CONFIGS:
+            out = Path(work) / f"{trainer_name}-{processes}-{threads}"
+            out.mkdir()
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+            command = [sys.executable, __file__, "--worker", str(corpus_dir), trainer_name, str(processes)]
+            subprocess.run([*command, str(threads), str(out)], env=env, check=True, capture_output=True)
+            seconds = json.loads((out / "result.json").read_text())
+            training = seconds["total"] - seconds["scoring"] - seconds["generating"]
+            rows.append({"configuration": name, **seconds, "training": training, "chars_per_s": characters / training})
+            print(f"{name}: {characters / training:,.0f} characters/s ({training:.1f} s training)", flush=True)
+    rate = {row["configuration"]: row["chars_per_s"] for row in rows}
+    summary = {
+        "fabric_1_process_vs_flair": rate[CONFIGS[1][0]] / rate[CONFIGS[0][0]],
+        "scaling_efficiency_2_processes": rate[CONFIGS[3][0]] / (2 * rate[CONFIGS[2][0]]),
+        "two_processes_vs_flair": rate[CONFIGS[3][0]] / rate[CONFIGS[0][0]],
+    }
+    machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+    report = {"started": started_at, "machine": machine, "characters": characters, "rows": rows, **summary}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "language_model.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        "# Character language model: training characters per second",
+        "",
+        f"{started_at}, {machine}. One epoch over {args.splits} split files ({characters:,} characters) of the Austen"
+        f" text; LSTM {HIDDEN} units, {COLUMNS} columns in all, sequence length {SEQUENCE_LENGTH}. Scoring and"
+        " generated sample text are subtracted.",
+        "",
+        "| configuration | training s | characters/s |",
+        "|---|---|---|",
+        *[f"| {r['configuration']} | {r['training']:.1f} | {r['chars_per_s']:,.0f} |" for r in rows],
+        "",
+        f"flair-fabric on 1 process / flair: **{summary['fabric_1_process_vs_flair']:.3f}**; 2 processes / flair:"
+        f" **{summary['two_processes_vs_flair']:.3f}**; 2-process scaling efficiency (against 2x one process with"
+        f" one thread): **{summary['scaling_efficiency_2_processes']:.3f}**.",
+    ]
+    (args.out / "language_model.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-1:]))
+
+
+if __name__ == "__main__":
+    main()
