@@ -363,18 +363,6 @@ MUTATIONS = [
         ["tests/state/test_preemption.py", "-k", "preemption_signal"],
     ),
     Mutation(
-        "a torchrun restart meets in the store of the previous attempt",
-        "torchrun restarts continue from the last checkpoint",
-        [
-            (
-                "flair_fabric/launch/workers.py",
-                "        return torchrun_rendezvous(timeout, single_node=launched.num_nodes == 1)",
-                "        return contextlib.nullcontext()",
-            )
-        ],
-        ["tests/state/test_preemption.py", "-k", "torchrun"],
-    ),
-    Mutation(
         "retention keeps one checkpoint too many",
         "keep_checkpoints keeps the newest k",
         [
