@@ -1,5 +1,6 @@
 """A user's script that scores a model with flair_fabric.evaluate on 2 ranks started by the script relaunch, where the
-model raises while predicting on global rank 0 (and global rank 1 stalls): `python evaluate_failing.py`."""
+model raises while predicting on global rank 0 (and global rank 1 stalls); rank 0 catches the error and stays alive
+for a minute: `python evaluate_failing.py`."""
 
 from __future__ import annotations
 
@@ -25,4 +26,9 @@ if __name__ == "__main__":
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     model.predict = _Failing().predict  # type: ignore[method-assign]
-    flair_fabric.evaluate(model, corpus.test, "question_class", accelerator="cpu", devices=2, strategy="ddp")
+    try:
+        flair_fabric.evaluate(model, corpus.test, "question_class", accelerator="cpu", devices=2, strategy="ddp")
+    except RuntimeError as error:  # the caller goes on (as a notebook would): its relaunched rank must not
+        print(f"caught on rank 0: {error}", flush=True)
+        time.sleep(60)
+        sys.exit(1)
