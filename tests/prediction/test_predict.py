@@ -30,6 +30,7 @@ from ..model_zoo import ZOO, points_of
 from ..support import REPO, run_script, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
 
 FORK = {"accelerator": "cpu", "strategy": "ddp_fork"}
+TWO_FORKED = ("--devices", "2", "--strategy", "ddp_fork", "--accelerator", "cpu")
 
 
 def _labels(data_points: list[DataPoint], names: list[str]) -> list[list[tuple[Any, str, float]]]:
@@ -177,12 +178,7 @@ def test_the_command_line_predicts_and_evaluates_with_a_model_trained_here(tmp_p
         "conll",
         "--output",
         str(tmp_path / "pred.conll"),
-        "--devices",
-        "2",
-        "--strategy",
-        "ddp_fork",
-        "--accelerator",
-        "cpu",
+        *TWO_FORKED,
     )
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     assert "30 predicted, 0 skipped" in predicted.stdout
@@ -197,12 +193,7 @@ def test_the_command_line_predicts_and_evaluates_with_a_model_trained_here(tmp_p
         "--gold-label-type",
         "ner",
         "--json",
-        "--devices",
-        "2",
-        "--strategy",
-        "ddp_fork",
-        "--accelerator",
-        "cpu",
+        *TWO_FORKED,
     )
     assert scored.returncode == 0, scored.stderr[-3000:]
     reference = SequenceTagger.load(model)
