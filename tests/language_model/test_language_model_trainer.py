@@ -170,4 +170,3 @@ def test_a_corpus_without_split_files_is_refused(corpus: TextCorpus, tmp_path: P
         FabricLanguageModelTrainer(tiny_language_model(corpus), hollow).train(
             tmp_path / "run", mini_batch_size=2, accelerator="cpu", devices=1, **LM_OPTIONS
         )
-
