@@ -77,12 +77,18 @@ class LanguageModelRun:
         total = torch.tensor(rank_loss, dtype=torch.float64, device=self.fabric.device)
         return float(cast(torch.Tensor, self.fabric.all_reduce(total, reduce_op="mean")).item())
 
+    def held_out_text_of_global_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The validation and test text as global rank 0 read them. flair flips the case of some lines when a
+        ``TextCorpus`` is made, so ranks that made their own corpus (the script relaunch) may hold other text."""
+        held_out = (self.trainer.corpus.valid, self.trainer.corpus.test)
+        return cast(tuple[torch.Tensor, torch.Tensor], self.fabric.broadcast(held_out, src=0))
+
     # --- the run ------------------------------------------------------------------------------------------------
 
     def run(self) -> None:
         a, fabric, trainer = self.arguments, self.fabric, self.trainer
         start_from_the_callers_generators(fabric, a.generators)
-        val_data = trainer.corpus.valid
+        val_data, self.test_data = self.held_out_text_of_global_zero()
         make_optimizer: Any = trainer.optimizer  # flair's optimizer class; every one of them takes lr
         optimizer = make_optimizer(self.model.parameters(), lr=a.learning_rate, **a.optimizer_options)
         if trainer.optimizer_state is not None:
@@ -107,7 +113,7 @@ class LanguageModelRun:
             if log_handler is not None:
                 log_handler.close()
                 log.removeHandler(log_handler)
-        test_loss = self.score(trainer.corpus.test)  # with the last model, as flair does
+        test_loss = self.score(self.test_data)  # with the last model, as flair does
         self.write_summary(f"TEST: valid loss {test_loss:5.4f} | valid ppl {math.exp(test_loss):8.4f}")
         log.info("-" * 89)
 
