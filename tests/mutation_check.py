@@ -351,18 +351,6 @@ MUTATIONS = [
         ["tests/state/test_preemption.py", "-k", "killed_mid_epoch and ddp"],
     ),
     Mutation(
-        "the preemption signal is not held",
-        "SIGUSR1: one checkpoint, requeue, exit 75",
-        [
-            (
-                "flair_fabric/training/run.py",
-                "preemption = self.arguments.checkpoints.requeue_signal",
-                "preemption = None",
-            )
-        ],
-        ["tests/state/test_preemption.py", "-k", "preemption_signal"],
-    ),
-    Mutation(
         "retention keeps one checkpoint too many",
         "keep_checkpoints keeps the newest k",
         [
