@@ -15,6 +15,7 @@ pipe buffer would block rank 0 forever.)
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -107,12 +108,23 @@ def run_on_every_rank(
     besides tensors and plain Python values it may hold), loaded with ``weights_only=True``."""
     with _rendezvous(fabric, timeout):
         if not starts_workers(fabric):
+            if fabric.world_size > 1:
+                atexit.unregister(destroy_process_group_at_exit)  # registered once, however many runs
+                atexit.register(destroy_process_group_at_exit)
             try:
                 return fabric.launch(lambda rank_fabric: _on_rank(rank_fabric, function, job))
             except BaseException:
                 stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
                 raise
         return _run_in_workers(fabric, function, job, result_types, preemption_signal)
+
+
+def destroy_process_group_at_exit() -> None:
+    """A rank that is the script's own process ends its process group while Python is still whole: gloo's threads
+    can otherwise abort the interpreter's finalization ("terminate called without an active exception", SIGABRT;
+    pytorch/pytorch#190489), once seen here at the exit of a resumed run under the script relaunch."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _run_in_workers(
