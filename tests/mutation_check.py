@@ -494,6 +494,18 @@ MUTATIONS = [
         ],
         ["tests/prediction/test_predict.py", "-k", "killed"],
     ),
+    Mutation(
+        "language model: each rank scores its own held-out text",
+        "validation and test perplexity of global rank 0's text, as in one process",
+        [
+            (
+                "flair_fabric/language_model/loop.py",
+                "return cast(tuple[torch.Tensor, torch.Tensor], self.fabric.broadcast(held_out, src=0))",
+                "return held_out",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "script_relaunch"],
+    ),
 ]
 
 

@@ -29,13 +29,10 @@ from flair_fabric.strategies.ddp import FlairDDPStrategy
 
 @dataclass
 class LanguageModelJob:
-    """What a spawned or forked rank needs: the trainer as the caller built it, and the run's arguments."""
+    """What a spawned or forked rank needs: the trainer as the caller built it (model, corpus, flair's resume state),
+    and the run's arguments."""
 
-    trainer_class: type[FabricLanguageModelTrainer]
-    model: LanguageModel
-    corpus: TextCorpus
-    optimizer: type[Optimizer]
-    constructed_with: dict[str, Any]
+    trainer: FabricLanguageModelTrainer
     arguments: LanguageModelArguments
 
 
@@ -55,28 +52,6 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
     processes with ``mini_batch_size=b`` train as one process with ``N·b`` (see
     :mod:`flair_fabric.language_model.columns`).
     """
-
-    def __init__(
-        self,
-        model: LanguageModel,
-        corpus: TextCorpus,
-        optimizer: type[Optimizer] = SGD,
-        test_mode: bool = False,
-        epoch: int = 0,
-        split: int = 0,
-        loss: float = 10000,
-        optimizer_state: dict[str, Any] | None = None,
-        scaler_state: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(model, corpus, optimizer, test_mode, epoch, split, loss, optimizer_state, scaler_state)
-        self._constructed_with = {
-            "test_mode": test_mode,
-            "epoch": epoch,
-            "split": split,
-            "loss": loss,
-            "optimizer_state": optimizer_state,
-            "scaler_state": scaler_state,
-        }
 
     def train(
         self,
@@ -150,7 +125,7 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
         if not starts_workers(fabric):
             run_on_every_rank(fabric, self.train_on_rank, arguments, launch.collective_timeout)
             return
-        job = LanguageModelJob(type(self), self.model, self.corpus, self.optimizer, self._constructed_with, arguments)
+        job = LanguageModelJob(self, arguments)
         trained = run_on_every_rank(
             fabric, train_in_worker, job, launch.collective_timeout, result_types=[TrainedLanguageModel]
         )
@@ -192,8 +167,8 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
 
 
 def train_in_worker(fabric: Fabric, job: LanguageModelJob) -> TrainedLanguageModel:
-    """One spawned or forked rank: rebuild the trainer, train; return the trained weights."""
-    trainer = job.trainer_class(job.model, job.corpus, job.optimizer, **job.constructed_with)
+    """One spawned or forked rank: train its copy of the caller's trainer; return the trained weights."""
+    trainer = job.trainer  # forked: inherited; spawned: unpickled
     trainer.train_on_rank(fabric, job.arguments)
     weights = {name: tensor.detach().cpu() for name, tensor in trainer.model.state_dict().items()}
     return TrainedLanguageModel(weights, trainer.model.training)

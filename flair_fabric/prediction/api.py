@@ -70,8 +70,7 @@ class _PredictionJob:
 
 
 def _prepare(fabric: Fabric, model: flair.nn.Model) -> None:
-    flair.device = fabric.device
-    model.to(fabric.device)
+    model.to(fabric.device)  # flair.device is the rank's device already (the launch path sets it)
     fabric.strategy.precision.convert_module(model)  # "-true" precisions; mixed ones run under autocast below
     model.eval()
 

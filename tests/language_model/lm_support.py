@@ -48,10 +48,11 @@ def character_dictionary(folder: Path) -> Dictionary:
     return dictionary
 
 
-def tiny_corpus(folder: Path, **options: int) -> TextCorpus:
-    """A ``TextCorpus`` of :func:`write_tiny_corpus`'s files."""
+def tiny_corpus(folder: Path, case_seed: int = 0, **options: int) -> TextCorpus:
+    """A ``TextCorpus`` of :func:`write_tiny_corpus`'s files; flair flips the case of random lines of ``valid.txt``
+    and ``test.txt`` as it reads them, with Python's generator seeded by ``case_seed``."""
     write_tiny_corpus(folder, **options)
-    random.seed(0)  # flair flips the case of random lines of valid.txt and test.txt as it reads them
+    random.seed(case_seed)
     return TextCorpus(folder, character_dictionary(folder), forward=True, character_level=True)
 
 

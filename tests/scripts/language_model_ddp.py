@@ -1,5 +1,6 @@
 """A user's script that trains a character language model on 2 processes with the script relaunch
-(``strategy="ddp"``): `python language_model_ddp.py OUT`. Each rank writes its final weights to OUT/weights-RANK.pt."""
+(``strategy="ddp"``): `python language_model_ddp.py OUT`. Each rank makes its own corpus (flair flips the case of
+other lines of valid.txt and test.txt on rank 1) and writes its final weights to OUT/weights-RANK.pt."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from tests.language_model.lm_support import LM_OPTIONS, seeded, tiny_corpus, tin
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    corpus = tiny_corpus(out / "corpus")
+    rank = os.environ.get("LOCAL_RANK", "0")
+    corpus = tiny_corpus(out / f"corpus-{rank}", case_seed=3 * int(rank))  # rank 1 reads other case flips
     model = tiny_language_model(corpus)
     seeded()
     FabricLanguageModelTrainer(model, corpus).train(
         out / "run", mini_batch_size=2, devices=2, strategy="ddp", accelerator="cpu", **LM_OPTIONS
     )
-    torch.save(model.state_dict(), out / f"weights-{os.environ.get('LOCAL_RANK', '0')}.pt")
+    torch.save(model.state_dict(), out / f"weights-{rank}.pt")
