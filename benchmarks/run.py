@@ -6,6 +6,8 @@
 4. sharded_evaluation: evaluating a dev split with flair_fabric.evaluate on 2 processes vs flair's evaluate in one.
 5. ddp_vs_fsdp: memory and time of strategy="fsdp" vs "ddp".
 6. checkpoint_cost, 7. resume_latency: preemption-proof training (``preemption.py``).
+8. end_to_end_fine_tune: a whole fine_tune (dev every epoch, final test) vs flair's multi_gpu=True (``end_to_end.py``).
+9. ddp_communication: where a 2-rank step's time goes; exact defaults, compression (``ddp_communication.py``).
 
 Every measurement runs in fresh worker processes (``worker.py``); results go to ``<out-dir>/<name>.json`` and a
 table to ``<out-dir>/README.md``.
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ddp_communication
+import end_to_end
 import preemption
 
 HERE = Path(__file__).resolve().parent
@@ -76,6 +80,8 @@ PLANS: dict[str, dict[str, Any]] = {
         "sharding": (Job("minilm", 256, 16, 1, MINILM_LR, 2), 2),
         "checkpointing": (Job("minilm", 1920, 8, 1, MINILM_LR, 2), 50),
         "resume": (Job("minilm", 800, 8, 1, MINILM_LR, 1), 5, 2),
+        "end_to_end": (Job("minilm", 256, 16, 2, MINILM_LR, 2), 2, 500),
+        "communication": [(Job("minilm", 256, 16, 1, MINILM_LR, 2), 2), (Job("rnn", 2048, 16, 2, RNN_LR, 3), 2)],
     },
     "quick": {
         "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],
@@ -85,6 +91,8 @@ PLANS: dict[str, dict[str, Any]] = {
         "sharding": (Job("minilm", 64, 16, 1, MINILM_LR, 1), 1),
         "checkpointing": (Job("minilm", 192, 8, 1, MINILM_LR, 1), 4),
         "resume": (Job("minilm", 160, 8, 1, MINILM_LR, 1), 1, 1),
+        "end_to_end": (Job("minilm", 64, 16, 1, MINILM_LR, 1), 1, 64),
+        "communication": [(Job("minilm", 64, 16, 1, MINILM_LR, 1), 1), (Job("rnn", 512, 16, 1, RNN_LR, 1), 1)],
     },
 }
 
@@ -133,7 +141,18 @@ class Runner:
         progress = [
             line
             for line in log_text.splitlines()
-            if line.startswith(("[overhead ", "[fabric ", "[native ", "[evaluate ", "[sharding ", "[checkpointing "))
+            if line.startswith(
+                (
+                    "[overhead ",
+                    "[fabric ",
+                    "[native ",
+                    "[evaluate ",
+                    "[sharding ",
+                    "[checkpointing ",
+                    "[whole-",
+                    "[bare",
+                )
+            )
         ]
         for line in progress if self.verbose else progress[-1:]:
             print(f"    {line}", flush=True)
@@ -678,6 +697,8 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
             "",
         ]
     lines += preemption.markdown_lines(results)
+    lines += end_to_end.markdown_lines(results)
+    lines += ddp_communication.markdown_lines(results)
     lines += [
         "Timings on a shared or busy machine are noisy: rerun `make bench` on a quiet one before quoting them.",
         "",
@@ -693,10 +714,22 @@ SECTION_NAMES = (
     "ddp_vs_fsdp",
     "checkpoint_cost",
     "resume_latency",
+    "end_to_end_fine_tune",
+    "ddp_communication",
 )
 
 
-SECTIONS = ("overhead", "ddp", "find_unused", "evaluation", "sharding", "checkpointing", "resume")
+SECTIONS = (
+    "overhead",
+    "ddp",
+    "find_unused",
+    "evaluation",
+    "sharding",
+    "checkpointing",
+    "resume",
+    "end_to_end",
+    "communication",
+)
 
 
 def write_readme(out_dir: Path) -> None:
@@ -770,6 +803,15 @@ def main() -> None:
         if "resume" in sections:
             job, every, launches = plan["resume"]
             results["resume_latency"] = preemption.resume_latency_section(runner, job, args.devices, every, launches)
+        if "end_to_end" in sections:
+            job, launches, dev_size = plan["end_to_end"]
+            results["end_to_end_fine_tune"] = end_to_end.end_to_end_section(
+                runner, job, args.devices, launches, dev_size
+            )
+        if "communication" in sections:
+            results["ddp_communication"] = ddp_communication.communication_section(
+                runner, plan["communication"], args.devices
+            )
     wall = time.perf_counter() - started
     common = {
         "mode": mode,

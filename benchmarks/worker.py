@@ -7,6 +7,8 @@
     worker.py evaluate-native ...  what flair's multi_gpu=True does: N processes each evaluate the whole dev split
     worker.py sharding ...   FabricTrainer(devices=N, strategy=ddp|fsdp): epoch time and memory of every rank
     worker.py checkpointing|resume-prepare|resume ...   the preemption benchmarks (preemption_worker.py)
+    worker.py bare ...       compute only: forward_loss, backward, step on N concurrent processes (no DDP, no trainer)
+    worker.py whole-fabric|whole-native ...   a whole fine_tune (dev every epoch, final test, model files), timed
 
 Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
 """
@@ -36,10 +38,30 @@ from flair.trainers.plugins import TrainerPlugin
 
 import flair_fabric
 from flair_fabric import FabricTrainer, FlairDDPStrategy
-from flair_fabric.datasets import TREC_LABEL_TYPE
+from flair_fabric.datasets import TREC_LABEL_TYPE, trec_corpus
 from flair_fabric.distributed.sharded_state import held_bytes
 
-VARIANTS = ("auto", "true", "false")
+VARIANTS = ("auto", "true", "false", "no-comm", "bf16", "fp16", "powersgd", "copy-grads", "static")
+"""FabricTrainer strategies: 'auto'; find_unused_parameters forced 'true'/'false'; 'no-comm' (gradients are not
+exchanged: a DDP communication hook that returns them as they are, to time everything but the communication);
+gradient compression 'bf16'/'fp16'/'powersgd'; 'copy-grads' (gradient_as_bucket_view=False); 'static'
+(static_graph=True); 'bucketN' (bucket_cap_mb=N)."""
+
+
+def no_communication(state: Any, bucket: Any) -> torch.futures.Future:
+    """A DDP communication hook that exchanges nothing (timing only: the ranks' gradients then differ)."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class NoCommunicationDDP(FlairDDPStrategy):
+    """FlairDDPStrategy with :func:`no_communication` registered: DDP's whole machinery except the all-reduce."""
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+        wrapped = super().setup_module(module)
+        wrapped.register_comm_hook(None, no_communication)
+        return wrapped
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +78,9 @@ def parse_args() -> argparse.Namespace:
             "checkpointing",
             "resume-prepare",
             "resume",
+            "whole-fabric",
+            "whole-native",
+            "bare",
         ],
     )
     parser.add_argument("--model", choices=common.MODELS, required=True)
@@ -65,10 +90,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=0.0)
     parser.add_argument("--reps", type=int, default=1, help="timed runs per trainer/variant in this process")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--variants", default="auto", help="fabric: comma-separated find_unused_parameters values")
+    parser.add_argument("--variants", default="auto", help="fabric: comma-separated strategy variants (VARIANTS)")
+    parser.add_argument("--native-variant", choices=["exact", "no-comm"], default="exact", help="native: DDP as is")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="sharding: the strategy")
     parser.add_argument("--every", type=int, default=50, help="checkpointing, resume-prepare: checkpoint every n steps")
     parser.add_argument("--resume-from", type=Path, help="resume: the checkpoint folder")
+    parser.add_argument("--dev-size", type=int, default=500, help="whole-*: questions in the dev and in the test split")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--base-path", type=Path, help="fabric: training folder, the same on every rank (nothing is saved)"
@@ -142,7 +169,17 @@ def overhead(args: argparse.Namespace) -> None:
 def strategy_for(variant: str) -> Any:
     if variant == "auto":
         return "auto"
-    return FlairDDPStrategy(find_unused_parameters=variant == "true")
+    if variant in ("true", "false"):
+        return FlairDDPStrategy(find_unused_parameters=variant == "true")
+    if variant == "no-comm":
+        return NoCommunicationDDP()
+    if variant in ("bf16", "fp16", "powersgd"):
+        return FlairDDPStrategy(gradient_compression=variant)
+    if variant == "copy-grads":
+        return FlairDDPStrategy(gradient_as_bucket_view=False)
+    if variant == "static":
+        return FlairDDPStrategy(static_graph=True)
+    return FlairDDPStrategy(bucket_cap_mb=int(variant.removeprefix("bucket")))
 
 
 def fabric_run(
@@ -162,8 +199,8 @@ def fabric(args: argparse.Namespace) -> None:
     """Runs on every rank (Fabric relaunches this script); only global rank 0 writes."""
     workload = workload_of(args)
     variants = args.variants.split(",")
-    if any(v not in VARIANTS for v in variants):
-        raise SystemExit(f"--variants takes a comma-separated subset of {VARIANTS}")
+    if any(v not in VARIANTS and not v.removeprefix("bucket").isdigit() for v in variants):
+        raise SystemExit(f"--variants takes a comma-separated subset of {VARIANTS} and bucketN")
     result = None
     base_path = str(args.base_path or Path(tempfile.gettempdir()) / "flair-fabric-bench")
     trainer, _ = fabric_run(variants[0], warmup_of(workload, args.devices), args.devices, base_path)
@@ -203,6 +240,13 @@ def cpu_ddp(
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, **kwargs)
 
 
+def cpu_ddp_without_communication(module: torch.nn.Module, **kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """:func:`cpu_ddp` with :func:`no_communication` registered (timing only)."""
+    wrapped = cpu_ddp(module, **kwargs)
+    wrapped.register_comm_hook(None, no_communication)
+    return wrapped
+
+
 @contextlib.contextmanager
 def cpu_process_group(rank: int, world_size: int, port: int) -> Iterator[None]:
     """A gloo process group for a rank started by torch.multiprocessing, with flair on the CPU and quiet."""
@@ -221,7 +265,8 @@ def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     import flair.trainers.trainer
 
     with cpu_process_group(rank, args.devices, port):
-        flair.trainers.trainer.DistributedDataParallel = cpu_ddp  # type: ignore[attr-defined]
+        shim = cpu_ddp_without_communication if args.native_variant == "no-comm" else cpu_ddp
+        flair.trainers.trainer.DistributedDataParallel = shim  # type: ignore[attr-defined]
         workload = workload_of(args)
         result = header("native", workload, args.devices)
         with tempfile.TemporaryDirectory() as base_path:
@@ -229,7 +274,15 @@ def native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
             _native_run(single, base_path)
             for rep in range(args.reps):
                 times = _native_run(workload, base_path)
-                result["runs"].append({"trainer": "flair-native", "find_unused_parameters": True, "rep": rep, **times})
+                result["runs"].append(
+                    {
+                        "trainer": "flair-native",
+                        "variant": args.native_variant,
+                        "find_unused_parameters": True,
+                        "rep": rep,
+                        **times,
+                    }
+                )
                 if rank == 0:
                     print(f"[native {workload.model}] rep {rep}: {sum(times['epoch_seconds']):.3f} s", flush=True)
         if rank == 0:
@@ -252,6 +305,68 @@ def free_port() -> int:
 
 def native(args: argparse.Namespace) -> None:
     torch.multiprocessing.spawn(native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
+
+
+# --- compute only: the same batches on N concurrent processes, no trainer, no DDP ---------------------------------
+
+
+def bare_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    """This rank's share of the batches (DistributedSampler's, shuffle=False): forward_loss, backward, optimizer step;
+    a process group only to start every epoch together."""
+    from flair.training_utils import store_embeddings
+
+    with cpu_process_group(rank, args.devices, port):
+        workload = workload_of(args)
+        result = header("bare", workload, args.devices)
+        for rep in range(-1, args.reps):
+            run = warmup_of(workload, args.devices) if rep < 0 else workload
+            corpus = train_only_corpus(run.train_size)
+            model = build_model(workload.model, corpus)
+            model.train()
+            optimizer_class = torch.optim.AdamW if workload.model == "minilm" else torch.optim.SGD
+            optimizer = optimizer_class(model.parameters(), lr=workload.learning_rate)
+            mine = [corpus.train[i] for i in range(rank, len(corpus.train), args.devices)]
+            batches = [mine[i : i + workload.batch_size] for i in range(0, len(mine), workload.batch_size)]
+            timer = EpochTimer()
+            for _ in range(run.epochs):
+                torch.distributed.barrier()
+                timer.before_training_epoch()
+                for batch in batches:
+                    loss, _ = model.forward_loss(batch)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    store_embeddings(batch, "none")
+                timer.after_training_epoch()
+            if rep >= 0:
+                result["runs"].append({"trainer": "bare", "rep": rep, **timings(timer)})
+        result["all_reduce_seconds_per_step"] = gradient_all_reduce_seconds(model)
+        if rank == 0:
+            write(args.out, result)
+
+
+def gradient_all_reduce_seconds(model: torch.nn.Module, bucket_mib: int = 25, reps: int = 7) -> float:
+    """Median seconds to all-reduce tensors the size of the model's trainable parameters, in buckets of DDP's default
+    size, one after the other: the communication of one step with nothing to hide it behind."""
+    sizes: list[int] = []  # elements per bucket, filled in DDP's order (last layers first)
+    for parameter in reversed([p for p in model.parameters() if p.requires_grad]):
+        if not sizes or (sizes[-1] + parameter.numel()) * 4 > bucket_mib * 2**20:
+            sizes.append(0)
+        sizes[-1] += parameter.numel()
+    buckets = [torch.ones(size) for size in sizes]
+    seconds = []
+    for _ in range(reps):
+        torch.distributed.barrier()
+        started = time.perf_counter()
+        works = [torch.distributed.all_reduce(bucket, async_op=True) for bucket in buckets]
+        for work in works:
+            work.wait()
+        seconds.append(time.perf_counter() - started)
+    return sorted(seconds)[reps // 2]
+
+
+def bare(args: argparse.Namespace) -> None:
+    torch.multiprocessing.spawn(bare_rank, args=(args, free_port()), nprocs=args.devices, join=True)
 
 
 # --- evaluation of a dev split: flair_fabric.evaluate on N processes, flair's evaluate in one -------------------
@@ -392,6 +507,73 @@ def sharding(args: argparse.Namespace) -> None:
         write(args.out, result)
 
 
+# --- a whole fine_tune as users run it: dev evaluation every epoch, the final test, model files --------------------
+
+
+def whole_fine_tune(trainer: Any, workload: Workload, base_path: Path, **extra: Any) -> dict[str, float]:
+    """Seconds of one ``fine_tune`` call, from the call to its return, and the test score it returned."""
+    started = time.perf_counter()
+    returned = trainer.fine_tune(
+        base_path,
+        learning_rate=workload.learning_rate,
+        mini_batch_size=workload.batch_size,
+        eval_batch_size=32,
+        max_epochs=workload.epochs,
+        shuffle=False,
+        **extra,
+    )
+    return {"seconds": time.perf_counter() - started, "test_score": float(returned["test_score"])}
+
+
+def whole_runs(args: argparse.Namespace, mode: str, run: Any, is_zero: bool) -> None:
+    """An untimed warm-up on a small corpus, then ``--reps`` timed runs; rank 0 prints and writes."""
+    workload = workload_of(args)
+    result = header(mode, workload, args.devices)
+    result["dev_size"] = result["test_size"] = args.dev_size
+    for rep in range(-1, args.reps):
+        small = rep < 0
+        corpus = trec_corpus(
+            train_size=warmup_of(workload, args.devices).train_size if small else workload.train_size,
+            dev_size=2 * 32 * args.devices if small else args.dev_size,
+            test_size=2 * 32 * args.devices if small else args.dev_size,
+            seed=common.SPLIT_SEED,
+        )
+        measured = run(corpus, build_model(args.model, corpus), args.base_path / f"{mode}-{rep + 1}")
+        if not small and is_zero:
+            result["runs"].append({"trainer": mode, "rep": rep, **measured})
+            print(f"[{mode} {args.model}] rep {rep}: {measured['seconds']:.3f} s", flush=True)
+    if is_zero:
+        write(args.out, result)
+
+
+def whole_fabric(args: argparse.Namespace) -> None:
+    """Runs on every rank (Fabric relaunches the script); the folder is the same on every rank."""
+
+    def run(corpus: Any, model: Any, base_path: Path) -> dict[str, float]:
+        return whole_fine_tune(
+            FabricTrainer(model, corpus), workload_of(args), base_path, accelerator="cpu", devices=args.devices
+        )
+
+    whole_runs(args, "whole-fabric", run, os.environ.get("LOCAL_RANK", "0") == "0")
+
+
+def whole_native_rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    import flair.trainers.trainer
+
+    with cpu_process_group(rank, args.devices, port):
+        flair.trainers.trainer.DistributedDataParallel = cpu_ddp  # type: ignore[attr-defined]
+
+        def run(corpus: Any, model: Any, base_path: Path) -> dict[str, float]:
+            torch.distributed.barrier()
+            return whole_fine_tune(ModelTrainer(model, corpus), workload_of(args), base_path, multi_gpu=True)
+
+        whole_runs(args, "whole-native", run, rank == 0)
+
+
+def whole_native(args: argparse.Namespace) -> None:
+    torch.multiprocessing.spawn(whole_native_rank, args=(args, free_port()), nprocs=args.devices, join=True)
+
+
 def main() -> None:
     args = parse_args()
     quiet_flair()
@@ -408,6 +590,9 @@ def main() -> None:
         ),
         "resume-prepare": lambda a: preemption_worker.resume_prepare(a, workload_of(a)),
         "resume": lambda a: preemption_worker.resume(a, workload_of(a)),
+        "whole-fabric": whole_fabric,
+        "whole-native": whole_native,
+        "bare": bare,
     }
     modes[args.mode](args)
     if os.environ.get("LOCAL_RANK", "0") == "0":

@@ -495,6 +495,66 @@ MUTATIONS = [
         ["tests/prediction/test_predict.py", "-k", "killed"],
     ),
     Mutation(
+        "predict: label addresses come back from JSON as lists",
+        "labels cross to the caller as JSON unchanged",
+        [
+            (
+                "flair_fabric/prediction/sharding.py",
+                "    return tuple(_as_address(part)",
+                "    return list(_as_address(part)",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "json"],
+    ),
+    Mutation(
+        "predict: labels with metadata sent as JSON",
+        "labels that carry metadata cross as objects",
+        [
+            (
+                "flair_fabric/prediction/sharding.py",
+                "        if any(label.metadata for each",
+                "        if False and any(label.metadata for each",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "json"],
+    ),
+    Mutation(
+        "predict: a progress bar on every rank",
+        "one progress bar, on global rank 0",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "disable=not (fabric.is_global_zero and stream.progress_bar)",
+                "disable=not stream.progress_bar",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "progress_bar"],
+    ),
+    Mutation(
+        "predict: the progress bar counts this rank's share only",
+        "the progress bar counts every rank's data points",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "                bar.update(len(sentences))",
+                "                bar.update(len(sentences[fabric.global_rank :: fabric.world_size]))",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "progress_bar"],
+    ),
+    Mutation(
+        "predict: the whole input file read at once",
+        "memory per rank stays flat as the input grows",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "    records = _records(stream)\n",
+                "    records = iter(list(_records(stream)))\n",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "memory_per_rank"],
+    ),
+    Mutation(
         "language model: each rank scores its own held-out text",
         "validation and test perplexity of global rank 0's text, as in one process",
         [

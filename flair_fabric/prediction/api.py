@@ -59,6 +59,7 @@ class _Stream:
     output_format: str
     tokenizer: Any
     chunk_size: int
+    progress_bar: bool
 
 
 @dataclass
@@ -80,7 +81,11 @@ def _predict_on_rank(fabric: Fabric, job: _PredictionJob) -> Any:
     with fabric.autocast():
         if isinstance(job.data, _Stream):
             return _predict_stream(fabric, job.model, job.data, job.predict_kwargs)
-        predicted = predict_across_ranks(fabric, job.model, job.data, job.predict_kwargs)
+        predicted = predict_across_ranks(
+            fabric, job.model, job.data, job.predict_kwargs, label_on_global_zero=not job.return_labels
+        )
+    if job.return_labels and predicted is not None:  # to the caller through a file: JSON reads back fastest
+        return predicted.to_json() or predicted
     if fabric.world_size > 1 and not job.return_labels:  # every rank of the script gets the labels on its data
         predicted = fabric.broadcast(predicted, src=0)
         if not fabric.is_global_zero:
@@ -107,7 +112,7 @@ def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwar
     names = label_names_of(model, kwargs.get("label_name"))
     write = WRITERS[stream.output_format]
     records = _records(stream)
-    bar = Tqdm.tqdm(desc="predicting", unit=" data points", disable=not fabric.is_global_zero or not _terminal())
+    bar = Tqdm.tqdm(desc="predicting", unit=" data points", disable=not (fabric.is_global_zero and stream.progress_bar))
 
     def predict_all(target: str) -> None:
         with open(target, "w", encoding="utf-8") if fabric.is_global_zero else open(os.devnull, "w") as output:
@@ -120,7 +125,7 @@ def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwar
                 for record in chunk:
                     if record.sentence is not None:
                         write(output, record, names)
-                bar.update(len(sentences))
+                bar.update(len(sentences))  # every rank read the whole chunk: the count is global
         if summary.read != summary.predicted + len(summary.skipped):
             raise RuntimeError(f"{summary.read} records read, {summary.predicted} predicted, {summary.skipped} skipped")
 
@@ -146,10 +151,6 @@ def _report(summary: PredictionSummary, stream: _Stream) -> None:
         log.warning(f"... {len(summary.skipped) - 20} more skipped; all of them in the returned summary")
 
 
-def _terminal() -> bool:
-    return os.isatty(2)
-
-
 def predict(
     model: flair.nn.Model,
     data: DataPoint | Sequence[DataPoint] | str | Path,
@@ -159,6 +160,7 @@ def predict(
     output_format: str | None = None,
     tokenizer: Any = True,
     chunk_size: int | None = None,
+    progress_bar: bool | None = None,
     mini_batch_size: int = 32,
     return_probabilities_for_all_classes: bool = False,
     verbose: bool = False,
@@ -178,6 +180,8 @@ def predict(
     ``chunk_size`` records (``input_format`` ``"text"``, one sentence per line tokenized with ``tokenizer`` as
     flair's ``Sentence`` does, or ``"conll"``), written in input order to ``out_path`` (``output_format``
     ``"jsonl"`` or ``"conll"``, by default from its suffix) by global rank 0; returns a :class:`PredictionSummary`.
+    A streamed run shows a progress bar (global data points, and per second) on global rank 0: ``progress_bar=None``
+    when standard error is a terminal, ``True`` always, ``False`` never.
     Takes flair's ``predict`` arguments plus Lightning's, which start processes as
     :class:`~flair_fabric.FabricTrainer` does.
     """
@@ -202,12 +206,17 @@ def predict(
     fabric = build_fabric(config)
     workers = starts_workers(fabric)
     if isinstance(data, str | Path):
-        stream = _checked_stream(Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config)
+        shows_bar = os.isatty(2) if progress_bar is None else progress_bar
+        stream = _checked_stream(
+            Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config, shows_bar
+        )
         job = _PredictionJob(model, stream, kwargs, return_labels=False)
         return run_on_every_rank(fabric, _predict_on_rank, job, result_types=[PredictionSummary])
     data_points = [data] if isinstance(data, DataPoint) else list(data)
     job = _PredictionJob(model, data_points, kwargs, return_labels=workers)
     predicted = run_on_every_rank(fabric, _predict_on_rank, job, result_types=[Predicted, RecordedLabel])
+    if isinstance(predicted, str):
+        predicted = Predicted.from_json(predicted)
     if workers:  # they predicted copies: label the caller's data points
         _put_labels(data_points, predicted)
     if return_loss:  # as flair's predict: the summed loss and the number of labels
@@ -224,6 +233,7 @@ def _checked_stream(
     tokenizer: Any,
     chunk_size: int | None,
     config: Any,
+    progress_bar: bool,
 ) -> _Stream:
     if not path.is_file():
         raise ValueError(f"data={str(path)!r} is not a file: pass an existing input file (or a list of data points).")
@@ -238,4 +248,4 @@ def _checked_stream(
     size = chunk_size or 64 * config.world_size * 32
     if size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not valid: pass a positive whole number.")
-    return _Stream(path, input_format, out, output_format_for(out, output_format), tokenizer, size)
+    return _Stream(path, input_format, out, output_format_for(out, output_format), tokenizer, size, progress_bar)

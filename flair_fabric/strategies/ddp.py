@@ -28,6 +28,7 @@ from flair_fabric.strategies.base import (
     StartsProcesses,
     TrainingStrategy,
 )
+from flair_fabric.strategies.compression import GradientCompression, checked_compression, register_compression
 from flair_fabric.strategies.probing import parameters_without_gradient
 
 log = logging.getLogger("flair")
@@ -41,6 +42,11 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
     Args:
         find_unused_parameters: ``"auto"`` (default) probes the model once before wrapping and turns DDP's search for
             unused parameters on only if some parameter got no gradient; ``True``/``False`` force it.
+        gradient_compression: ``None`` (default) all-reduces exact fp32 gradients; ``"bf16"``/``"fp16"`` send them
+            in half precision, ``"powersgd"`` as low-rank approximations (PyTorch's DDP communication hooks). Less
+            traffic, slightly different results: see docs/ddp-communication.md.
+        powersgd_options: With ``"powersgd"``: arguments of torch's ``PowerSGDState`` over flair-fabric's
+            defaults (rank 1, compression from step 10, error feedback, warm start).
         start_method: ``"popen"`` (default) relaunches the script once per extra device; ``"spawn"`` and ``"fork"``
             start worker processes from inside ``train`` (the caller's model receives the trained weights).
         **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, 10 minutes by default;
@@ -48,16 +54,25 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
     """
 
     def __init__(
-        self, *, find_unused_parameters: FindUnused = "auto", start_method: StartMethod = "popen", **kwargs: Any
+        self,
+        *,
+        find_unused_parameters: FindUnused = "auto",
+        gradient_compression: GradientCompression | None = None,
+        powersgd_options: dict[str, Any] | None = None,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
     ) -> None:
         self.checked_start_method("FlairDDPStrategy", start_method)
         if find_unused_parameters not in (True, False, "auto"):
             raise ValueError(
                 f"find_unused_parameters={find_unused_parameters!r} is not valid: pass True, False or 'auto'."
             )
+        self.powersgd_options = checked_compression(gradient_compression, powersgd_options)
         kwargs.setdefault("timeout", DEFAULT_COLLECTIVE_TIMEOUT)
+        kwargs.setdefault("gradient_as_bucket_view", True)  # gradients live in DDP's buckets: no copy per step
         super().__init__(start_method=start_method, **kwargs)
         self.find_unused_parameters: FindUnused = find_unused_parameters
+        self.gradient_compression = gradient_compression
         self.start_method: StartMethod = start_method
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -68,7 +83,9 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
                 " fabric.setup_module()."
             )
         self._ddp_kwargs = {**self._ddp_kwargs, "find_unused_parameters": self.find_unused_parameters}
-        return super().setup_module(module)
+        wrapped = super().setup_module(module)
+        register_compression(wrapped, self.gradient_compression, self.powersgd_options)
+        return wrapped
 
 
 def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch: list) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flair.data import DataPoint, Sentence
+from flair.data import DataPoint, Relation, Sentence
 from flair.datasets import ColumnCorpus, ColumnDataset
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
@@ -24,7 +24,7 @@ from flair.trainers import ModelTrainer
 import flair_fabric
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_questions
 from flair_fabric.evaluation.predictions import record_labels
-from flair_fabric.prediction.sharding import label_names_of
+from flair_fabric.prediction.sharding import Predicted, label_names_of
 
 from ..model_zoo import ZOO, points_of
 from ..support import REPO, run_script, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
@@ -60,6 +60,21 @@ def test_in_memory_labels_and_scores_equal_flairs_predict(tmp_path: Path, family
     returned = flair_fabric.predict(model, ours, devices=2, **FORK, **options)
     assert returned is ours
     _assert_same_labels(ours, reference, label_names_of(model, None))
+
+
+def test_labels_cross_to_the_caller_as_json_unchanged_or_as_objects_when_they_carry_metadata() -> None:
+    sentence = Sentence("Ada Lovelace met Charles Babbage in London .")
+    sentence.add_label("kind", "meeting", 0.75)
+    sentence[0].add_label("pos", "NNP", 0.5)
+    sentence[0:2].add_label("ner", "PER", 0.9)
+    sentence[3:5].add_label("ner", "PER", 0.875)
+    Relation(sentence[0:2], sentence[3:5]).add_label("relation", "met", 0.625)
+    names = ["kind", "pos", "ner", "relation"]
+    predicted = Predicted([{name: record_labels(sentence, name) for name in names}], loss=(1.5, 4))
+    text = predicted.to_json()
+    assert text is not None and Predicted.from_json(text) == predicted
+    sentence.add_label("note", "x", 1.0, source="rule")  # metadata: JSON could turn a tuple into a list
+    assert Predicted([{"note": record_labels(sentence, "note")}]).to_json() is None
 
 
 @pytest.mark.multiprocess
@@ -116,6 +131,47 @@ def test_a_20000_line_file_through_2_ranks_equals_one_process_line_by_line(
                 label.value,
                 round(label.score, 6),
             )
+
+
+@pytest.mark.multiprocess
+def test_the_progress_bar_is_one_and_counts_every_ranks_data_points(
+    trained_classifier: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    source = _question_file(tmp_path / "questions.txt", 700)
+    model = TextClassifier.load(trained_classifier)
+    flair_fabric.predict(
+        model, source, out_path=tmp_path / "out.jsonl", devices=2, chunk_size=256, progress_bar=True, **FORK
+    )
+    bars = [line for line in capfd.readouterr().err.split("\n") if "predicting" in line]
+    assert len(bars) == 1, f"one bar, on global rank 0: {bars}"
+    assert re.search(r"predicting: 700 data points .*data points/s", bars[0].split("\r")[-1]), bars
+
+
+_PEAK_RSS = """
+import json, resource, sys
+from flair.models import TextClassifier
+import flair_fabric
+model = TextClassifier.load(sys.argv[1])
+flair_fabric.predict(model, sys.argv[2], out_path=sys.argv[3], devices=2, accelerator="cpu", strategy="ddp_fork",
+                     chunk_size=256, progress_bar=False)
+print(json.dumps(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
+"""
+
+
+@pytest.mark.multiprocess
+def test_memory_per_rank_stays_flat_when_the_input_grows_tenfold(trained_classifier: Path, tmp_path: Path) -> None:
+    # measured: 5,000 -> 50,000 lines +5% (a one-time rise over the first ~15,000, then flat); the whole input read
+    # at once: +32%
+    peaks = {}
+    for lines in (5_000, 50_000):
+        source = _question_file(tmp_path / f"questions-{lines}.txt", lines)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        env.pop("LOCAL_RANK", None)
+        command = [sys.executable, "-c", _PEAK_RSS, str(trained_classifier), str(source), str(tmp_path / "out.jsonl")]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=True)
+        peaks[lines] = json.loads(done.stdout.splitlines()[-1])  # KiB: the largest of the forked ranks
+        assert len((tmp_path / "out.jsonl").read_text().splitlines()) == lines
+    assert peaks[50_000] < 1.10 * peaks[5_000], f"peak resident KiB of a rank: {peaks}"
 
 
 class _DiesOnThirdChunk(TextClassifier):

@@ -1,0 +1,170 @@
+"""Section 9 of ``benchmarks/run.py``: where the time of a 2-rank training step goes, FabricTrainer against flair's
+own ``multi_gpu=True``, with exact DDP and with gradient compression.
+
+Per model, in alternating launches: FabricTrainer with its exact defaults, with DDP's all-reduce replaced by a hook
+that exchanges nothing (``no-comm``) and with ``bf16``/``powersgd`` compression; flair's native DDP exact and
+``no-comm`` (the same hook, registered by the benchmark's shim); the bare loop (forward_loss, backward, optimizer
+step, nothing else) on the same batches in 2 concurrent processes; and FabricTrainer on one process with one thread.
+
+Per step of a rank: compute = bare loop; communication not hidden by compute = exact - no-comm; the trainer's own
+overhead = no-comm - bare (data loading, plugins, loss bookkeeping, DDP's bucketing; everything that is neither).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from preemption import Runs
+
+FABRIC_VARIANTS = ("auto", "no-comm", "bf16", "powersgd")
+EXACT_SAVINGS_VARIANTS = ("auto", "copy-grads", "static", "bucket5", "bucket100")
+
+
+def _per_step(exact: float, no_comm: float, bare: float, steps: int) -> dict[str, float]:
+    """Milliseconds per step of a rank: the whole step, and its three parts."""
+    return {
+        "step_ms": round(1000 * exact / steps, 1),
+        "compute_ms": round(1000 * bare / steps, 1),
+        "communication_not_hidden_ms": round(1000 * (exact - no_comm) / steps, 1),
+        "own_overhead_ms": round(1000 * (no_comm - bare) / steps, 1),
+    }
+
+
+def _median_epoch(runs: list[dict[str, Any]], **match: Any) -> float:
+    chosen = [run for run in runs if all(run.get(key) == value for key, value in match.items())]
+    if not chosen:
+        raise ValueError(f"no runs with {match}")
+    return statistics.median(seconds for run in chosen for seconds in run["epoch_seconds"])
+
+
+def communication_section(
+    runner: Runs, jobs: list[tuple[Any, int]], devices: int, exact_savings: bool = True
+) -> dict[str, Any]:
+    """``jobs``: (job, launches) per model."""
+    models = {}
+    for job, launches in jobs:
+        steps = -(-job.train_size // (job.batch_size * devices))
+        variants = FABRIC_VARIANTS + (EXACT_SAVINGS_VARIANTS[1:] if exact_savings and job.model == "minilm" else ())
+        print(
+            f"  where a step's time goes, {devices} ranks: {job.model}, {job.train_size} questions, {steps} steps per"
+            f" rank, {launches} launch(es); fabric variants {','.join(variants)}",
+            flush=True,
+        )
+        runs: list[dict[str, Any]] = []
+        bare_results: list[dict[str, Any]] = []
+        plan: list[tuple[str, list[str], int | None]] = [
+            ("fabric", [f"--devices={devices}", f"--variants={','.join(variants)}"], None),
+            ("native", [f"--devices={devices}", "--native-variant=exact"], None),
+            ("native", [f"--devices={devices}", "--native-variant=no-comm"], None),
+            ("bare", [f"--devices={devices}"], None),
+            ("overhead", [], 1),  # FabricTrainer(devices=1) and flair's ModelTrainer, one process, one thread
+        ]
+        for launch in range(launches):
+            for mode, extra, threads in plan if launch % 2 == 0 else plan[::-1]:
+                if mode == "fabric":
+                    extra = [*extra, f"--base-path={runner.work_dir / 'communication-base'}"]
+                result = runner.run(mode, job, extra, threads=threads)
+                runs += [{**run, "mode": mode, "launch": launch} for run in result["runs"]]
+                if mode == "bare":
+                    bare_results.append(result)
+
+        fabric = {v: _median_epoch(runs, mode="fabric", variant=v) for v in variants}
+        native = {v: _median_epoch(runs, mode="native", variant=v) for v in ("exact", "no-comm")}
+        bare = _median_epoch(runs, mode="bare")
+        one_process = _median_epoch(runs, mode="overhead", trainer="fabric")
+        all_reduce_ms = 1000 * statistics.median(result["all_reduce_seconds_per_step"] for result in bare_results)
+
+        fabric_split = _per_step(fabric["auto"], fabric["no-comm"], bare, steps)
+        native_split = _per_step(native["exact"], native["no-comm"], bare, steps)
+        summary = {
+            "steps_per_epoch_per_rank": steps,
+            "epoch_seconds": {
+                **{f"fabric {v}": round(t, 3) for v, t in fabric.items()},
+                **{f"native {v}": round(t, 3) for v, t in native.items()},
+                "bare loop": round(bare, 3),
+                "fabric, one process, one thread": round(one_process, 3),
+            },
+            "per_step": {"fabric": fabric_split, "native": native_split},
+            "all_reduce_alone_ms_per_step": round(all_reduce_ms, 1),
+            "share_of_communication_hidden": {
+                trainer: round(1 - split["communication_not_hidden_ms"] / all_reduce_ms, 3)
+                for trainer, split in (("fabric", fabric_split), ("native", native_split))
+            },
+            "throughput_fabric_over_native": {
+                v: round(native["exact"] / fabric[v], 4) for v in variants if v != "no-comm"
+            },
+            "scaling_efficiency": {
+                v: round(one_process / (devices * fabric[v]), 4) for v in variants if v != "no-comm"
+            },
+            "scaling_efficiency_native": round(one_process / (devices * native["exact"]), 4),
+        }
+        print(
+            f"    -> fabric/native {summary['throughput_fabric_over_native']['auto']:.3f}, efficiency"
+            f" {summary['scaling_efficiency']['auto']:.3f}; per step {summary['per_step']}",
+            flush=True,
+        )
+        models[job.model] = {
+            "sizes": {
+                "train_size": job.train_size,
+                "mini_batch_size_per_process": job.batch_size,
+                "epochs_per_run": job.epochs,
+                "learning_rate": job.learning_rate,
+                "launches": launches,
+                "runs_per_launch": job.reps,
+            },
+            "summary": summary,
+            "runs": runs,
+        }
+    return {"what": __doc__, "models": models}
+
+
+def markdown_lines(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Section 9 of the README table, if it was measured."""
+    section = results.get("ddp_communication")
+    if section is None:
+        return []
+    lines = [
+        "## 9. Where a 2-rank training step goes: FabricTrainer vs flair's own multi_gpu=True (goals: throughput"
+        " >= 1.10 x native, scaling efficiency >= 0.85)",
+        "",
+        "| model | trainer | ms per step | compute | communication not hidden | own overhead | all-reduce alone |"
+        " share hidden |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, values in section["models"].items():
+        summary = values["summary"]
+        for trainer, split in summary["per_step"].items():
+            lines.append(
+                f"| {model} | {trainer} | {split['step_ms']} | {split['compute_ms']} |"
+                f" {split['communication_not_hidden_ms']} | {split['own_overhead_ms']} |"
+                f" {summary['all_reduce_alone_ms_per_step']} | {summary['share_of_communication_hidden'][trainer]} |"
+            )
+    lines += [
+        "",
+        "| model | FabricTrainer variant | epoch s | throughput / flair native | scaling efficiency |",
+        "|---|---|---|---|---|",
+    ]
+    for model, values in section["models"].items():
+        summary = values["summary"]
+        for variant, ratio in summary["throughput_fabric_over_native"].items():
+            lines.append(
+                f"| {model} | {variant} | {summary['epoch_seconds'][f'fabric {variant}']} | **{ratio:.3f}** |"
+                f" **{summary['scaling_efficiency'][variant]:.3f}** |"
+            )
+        lines.append(
+            f"| {model} | flair native (exact) | {summary['epoch_seconds']['native exact']} | 1 |"
+            f" {summary['scaling_efficiency_native']:.3f} |"
+        )
+    lines += [
+        "",
+        "Compute = the bare loop (forward_loss, backward, optimizer step) on the same batches in 2 concurrent"
+        " processes; communication not hidden = exact - a DDP hook that exchanges nothing; own overhead = that hook"
+        " run - compute; all-reduce alone = the same bytes all-reduced in 25 MiB buckets with nothing else running,"
+        " and share hidden = 1 - not hidden / alone (the overlap of communication with backward). Scaling"
+        " efficiency: FabricTrainer on one process with one thread, epoch time / (2 x the 2-rank epoch time). 'auto'"
+        " is the default (exact); 'copy-grads' is gradient_as_bucket_view=False (the old default), 'static'"
+        " static_graph=True, 'bucketN' bucket_cap_mb=N (default 25).",
+        "",
+    ]
+    return lines
