@@ -13,7 +13,7 @@
 Every timed run is preceded (once per process and trainer) by an untimed one-epoch warm-up on a few batches.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: DDP checks a communication hook's annotations as objects.
 
 import argparse
 import contextlib
@@ -48,7 +48,7 @@ gradient compression 'bf16'/'fp16'/'powersgd'; 'copy-grads' (gradient_as_bucket_
 (static_graph=True); 'bucketN' (bucket_cap_mb=N)."""
 
 
-def no_communication(state: Any, bucket: Any) -> torch.futures.Future:
+def no_communication(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook that exchanges nothing (timing only: the ranks' gradients then differ)."""
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket.buffer())

@@ -495,6 +495,30 @@ MUTATIONS = [
         ["tests/prediction/test_predict.py", "-k", "killed"],
     ),
     Mutation(
+        "DDP: the compression hook is never registered",
+        "gradient_compression changes what is all-reduced",
+        [
+            (
+                "flair_fabric/strategies/ddp.py",
+                "        register_compression(wrapped, self.gradient_compression, self.powersgd_options)\n",
+                "",
+            )
+        ],
+        ["tests/strategies/test_compression.py", "-k", "bf16"],
+    ),
+    Mutation(
+        "DDP: half-precision compression sums instead of averaging",
+        "compressed ranks stay close to exact DDP",
+        [
+            (
+                "flair_fabric/strategies/compression.py",
+                "compressed = buffer.to(dtype).div_(dist.get_world_size(group))",
+                "compressed = buffer.to(dtype)",
+            )
+        ],
+        ["tests/strategies/test_compression.py", "-k", "fp16"],
+    ),
+    Mutation(
         "predict: label addresses come back from JSON as lists",
         "labels cross to the caller as JSON unchanged",
         [
