@@ -312,37 +312,46 @@ def native(args: argparse.Namespace) -> None:
 
 def bare_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     """This rank's share of the batches (DistributedSampler's, shuffle=False): forward_loss, backward, optimizer step;
-    a process group only to start every epoch together."""
-    from flair.training_utils import store_embeddings
-
+    'bare' runs the ranks independently (each rank's own compute), 'bare-synced' waits for every rank after each
+    step as a synchronous step does (compute plus waiting for the slowest rank). A process group only for barriers."""
     with cpu_process_group(rank, args.devices, port):
         workload = workload_of(args)
         result = header("bare", workload, args.devices)
         for rep in range(-1, args.reps):
-            run = warmup_of(workload, args.devices) if rep < 0 else workload
-            corpus = train_only_corpus(run.train_size)
-            model = build_model(workload.model, corpus)
-            model.train()
-            optimizer_class = torch.optim.AdamW if workload.model == "minilm" else torch.optim.SGD
-            optimizer = optimizer_class(model.parameters(), lr=workload.learning_rate)
-            mine = [corpus.train[i] for i in range(rank, len(corpus.train), args.devices)]
-            batches = [mine[i : i + workload.batch_size] for i in range(0, len(mine), workload.batch_size)]
-            timer = EpochTimer()
-            for _ in range(run.epochs):
-                torch.distributed.barrier()
-                timer.before_training_epoch()
-                for batch in batches:
-                    loss, _ = model.forward_loss(batch)
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    store_embeddings(batch, "none")
-                timer.after_training_epoch()
-            if rep >= 0:
-                result["runs"].append({"trainer": "bare", "rep": rep, **timings(timer)})
+            for synced in (False, True) if rep % 2 == 0 else (True, False):
+                run = warmup_of(workload, args.devices) if rep < 0 else workload
+                model, seconds = _bare_epochs(run, rank, args.devices, synced)
+                if rep >= 0:
+                    result["runs"].append({"trainer": "bare-synced" if synced else "bare", "rep": rep, **seconds})
         result["all_reduce_seconds_per_step"] = gradient_all_reduce_seconds(model)
         if rank == 0:
             write(args.out, result)
+
+
+def _bare_epochs(run: Workload, rank: int, devices: int, synced: bool) -> tuple[Any, dict[str, list[float]]]:
+    from flair.training_utils import store_embeddings
+
+    corpus = train_only_corpus(run.train_size)
+    model = build_model(run.model, corpus)
+    model.train()
+    optimizer_class = torch.optim.AdamW if run.model == "minilm" else torch.optim.SGD
+    optimizer = optimizer_class(model.parameters(), lr=run.learning_rate)
+    mine = [corpus.train[i] for i in range(rank, len(corpus.train), devices)]
+    batches = [mine[i : i + run.batch_size] for i in range(0, len(mine), run.batch_size)]
+    timer = EpochTimer()
+    for _ in range(run.epochs):
+        torch.distributed.barrier()
+        timer.before_training_epoch()
+        for batch in batches:
+            loss, _ = model.forward_loss(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            store_embeddings(batch, "none")
+            if synced:
+                torch.distributed.barrier()
+        timer.after_training_epoch()
+    return model, timings(timer)
 
 
 def gradient_all_reduce_seconds(model: torch.nn.Module, bucket_mib: int = 25, reps: int = 7) -> float:

@@ -543,6 +543,30 @@ MUTATIONS = [
         ["tests/prediction/test_predict.py", "-k", "json"],
     ),
     Mutation(
+        "predict: an unsplittable model ends the run",
+        "a model whose labels cannot move is predicted by the caller",
+        [
+            (
+                "flair_fabric/prediction/api.py",
+                "            return NotSplit(str(error))",
+                "            raise",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "cannot_move"],
+    ),
+    Mutation(
+        "predict: a rank's unsplittable labels not agreed on",
+        "every rank falls back together",
+        [
+            (
+                "flair_fabric/prediction/sharding.py",
+                "    problem = _agreed_problem(fabric, problem)\n",
+                "",
+            )
+        ],
+        ["tests/prediction/test_predict.py", "-k", "cannot_move"],
+    ),
+    Mutation(
         "predict: a progress bar on every rank",
         "one progress bar, on global rank 0",
         [

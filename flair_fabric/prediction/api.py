@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import flair
 import torch
@@ -30,7 +30,13 @@ from flair_fabric.prediction.formats import (
     read_conll,
     read_text,
 )
-from flair_fabric.prediction.sharding import Predicted, label_names_of, predict_across_ranks, put_labels
+from flair_fabric.prediction.sharding import (
+    NotSplittable,
+    Predicted,
+    label_names_of,
+    predict_across_ranks,
+    put_labels,
+)
 from flair_fabric.state.model_files import write_atomically
 
 log = logging.getLogger("flair")
@@ -49,6 +55,13 @@ class PredictionSummary:
     def per_second(self) -> float:
         """Data points predicted per second."""
         return self.predicted / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class NotSplit:
+    """What every rank returns when the model's labels cannot be moved between processes: why."""
+
+    reason: str
 
 
 @dataclass
@@ -81,9 +94,12 @@ def _predict_on_rank(fabric: Fabric, job: _PredictionJob) -> Any:
     with fabric.autocast():
         if isinstance(job.data, _Stream):
             return _predict_stream(fabric, job.model, job.data, job.predict_kwargs)
-        predicted = predict_across_ranks(
-            fabric, job.model, job.data, job.predict_kwargs, label_on_global_zero=not job.return_labels
-        )
+        try:
+            predicted = predict_across_ranks(
+                fabric, job.model, job.data, job.predict_kwargs, label_on_global_zero=not job.return_labels
+            )
+        except NotSplittable as error:
+            return NotSplit(str(error))  # the caller (each rank of a script) predicts its data points itself
     if job.return_labels and predicted is not None:  # to the caller through a file: JSON reads back fastest
         return predicted.to_json() or predicted
     if fabric.world_size > 1 and not job.return_labels:  # every rank of the script gets the labels on its data
@@ -118,7 +134,12 @@ def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwar
         with open(target, "w", encoding="utf-8") if fabric.is_global_zero else open(os.devnull, "w") as output:
             while chunk := list(islice(records, stream.chunk_size)):
                 sentences = [record.sentence for record in chunk if record.sentence is not None]
-                predict_across_ranks(fabric, model, sentences, kwargs)
+                try:
+                    predict_across_ranks(fabric, model, sentences, kwargs)
+                except NotSplittable as error:
+                    raise NotSplittable(
+                        f"{error}; a file cannot be predicted with this model: pass data points"
+                    ) from None
                 summary.read += len(chunk)
                 summary.predicted += len(sentences)
                 summary.skipped += [(record.line, record.problem) for record in chunk if record.problem is not None]
@@ -183,7 +204,9 @@ def predict(
     A streamed run shows a progress bar (global data points, and per second) on global rank 0: ``progress_bar=None``
     when standard error is a terminal, ``True`` always, ``False`` never.
     Takes flair's ``predict`` arguments plus Lightning's, which start processes as
-    :class:`~flair_fabric.FabricTrainer` does.
+    :class:`~flair_fabric.FabricTrainer` does. A model that puts labels where they cannot be moved between processes
+    (none of flair's own) is predicted by flair's ``predict`` in the calling process (on every rank of a script),
+    with a warning.
     """
     if not hasattr(model, "predict"):
         raise ValueError(f"model: a {type(model).__name__} has no predict method; pass a trained flair model.")
@@ -214,7 +237,10 @@ def predict(
         return run_on_every_rank(fabric, _predict_on_rank, job, result_types=[PredictionSummary])
     data_points = [data] if isinstance(data, DataPoint) else list(data)
     job = _PredictionJob(model, data_points, kwargs, return_labels=workers)
-    predicted = run_on_every_rank(fabric, _predict_on_rank, job, result_types=[Predicted, RecordedLabel])
+    predicted = run_on_every_rank(fabric, _predict_on_rank, job, result_types=[Predicted, RecordedLabel, NotSplit])
+    if isinstance(predicted, NotSplit):  # as flair_fabric.evaluate: not split, never wrong
+        log.warning(f"predicting in this process only: {predicted.reason}")
+        return cast(Any, model).predict(data_points, **kwargs)
     if isinstance(predicted, str):
         predicted = Predicted.from_json(predicted)
     if workers:  # they predicted copies: label the caller's data points

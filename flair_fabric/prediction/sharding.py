@@ -21,7 +21,13 @@ from flair.data import DataPoint, Sentence
 from lightning.fabric import Fabric
 
 from flair_fabric.distributed.collectives import gather_to_global_zero
-from flair_fabric.evaluation.predictions import Address, RecordedLabel, record_labels, restore_labels
+from flair_fabric.evaluation.predictions import (
+    Address,
+    RecordedLabel,
+    UnsupportedPrediction,
+    record_labels,
+    restore_labels,
+)
 from flair_fabric.evaluation.sharded import batches_of_rank
 
 
@@ -94,6 +100,19 @@ def _as_address(plain: list) -> Address:
     return tuple(_as_address(part) if isinstance(part, list) else part for part in plain)
 
 
+class NotSplittable(RuntimeError):
+    """The model puts labels where they cannot be moved between processes; every rank raises it together."""
+
+
+def _agreed_problem(fabric: Fabric, problem: str | None) -> str | None:
+    """``problem`` (or a stand-in for another rank's) if any rank had one; one all-reduce, on every rank."""
+    if fabric.world_size > 1:
+        flag = torch.tensor(float(problem is not None), device=fabric.device)
+        if cast(torch.Tensor, fabric.all_reduce(flag, reduce_op="sum")).item() > 0:
+            return problem or "another rank predicted labels that cannot be moved between processes"
+    return problem
+
+
 def predict_across_ranks(
     fabric: Fabric,
     model: flair.nn.Model,
@@ -103,13 +122,15 @@ def predict_across_ranks(
 ) -> Predicted | None:
     """Predict ``data_points`` (the same on every rank) with the batches dealt to the ranks. On global rank 0 the
     labels come back with the loss, if asked for, and land on its data points unless ``label_on_global_zero`` is
-    false (rank 0 is a worker whose data points nobody reads); ``None`` on the other ranks."""
+    false (rank 0 is a worker whose data points nobody reads); ``None`` on the other ranks. Raises
+    :class:`NotSplittable` on every rank if some rank's labels cannot be moved."""
     names = label_names_of(model, predict_kwargs.get("label_name"))
     mini_batch_size = predict_kwargs.get("mini_batch_size", 32)
     order = flair_order(data_points)
     mine = batches_of_rank(len(order), mini_batch_size, fabric.global_rank, fabric.world_size)
     predicted: dict[int, Labels] = {}
     loss_sum, count = 0.0, 0
+    problem = None
     with torch.no_grad():
         for _, positions in mine:
             batch = [data_points[order[position]] for position in positions]
@@ -119,7 +140,14 @@ def predict_across_ranks(
             returned = cast(Any, model).predict(batch, **predict_kwargs)
             if predict_kwargs.get("return_loss") and isinstance(returned, tuple):
                 loss_sum, count = loss_sum + float(returned[0]), count + int(returned[1])
-            predicted.update({order[p]: _record(data_points[order[p]], names) for p in positions})
+            try:
+                predicted.update({order[p]: _record(data_points[order[p]], names) for p in positions})
+            except UnsupportedPrediction as error:
+                problem = str(error)
+                break
+    problem = _agreed_problem(fabric, problem)
+    if problem is not None:
+        raise NotSplittable(problem)
     gathered = gather_to_global_zero(fabric, (predicted, loss_sum, count))
     if gathered is None:
         return None

@@ -3,13 +3,14 @@
 ``"bf16"`` and ``"fp16"`` halve the bytes all-reduced: each bucket is divided by the world size, cast down, summed and
 cast back, as PyTorch's ``fp16_compress_hook`` does (its ``bf16_compress_hook`` refuses every backend but NCCL, while
 gloo sums bf16 as well, so the hook here serves both types on every backend). ``"powersgd"`` is PyTorch's PowerSGD
-hook: a low-rank approximation of every large gradient matrix, with error feedback (Vogels et al., 2019). All three
-change the gradients a little, so results are no longer bit-equal to exact DDP: docs/ddp-communication.md has the
-measured trade-off.
+hook, one bucket after the other (:func:`ordered_powersgd_hook`): a low-rank approximation of every large gradient
+matrix, with error feedback (Vogels et al., 2019). All three change the gradients a little, so results are no longer
+bit-equal to exact DDP: docs/ddp-communication.md has the measured trade-off.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 import inspect
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
@@ -63,6 +64,25 @@ def half_precision_hook(dtype: torch.dtype, bucket: dist.GradBucket) -> torch.fu
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
+@dataclass
+class OrderedPowerSGDState:
+    """PyTorch's PowerSGD state, and the future of the bucket whose collectives were started last."""
+
+    powersgd: powerSGD_hook.PowerSGDState
+    previous: torch.futures.Future[torch.Tensor] | None = None
+
+
+def ordered_powersgd_hook(state: OrderedPowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's ``powerSGD_hook``, one bucket after the other. It all-reduces a bucket twice, the second time from a
+    callback of the first; with several buckets in flight the ranks can then start their collectives in different
+    orders (gloo: "Received data size doesn't match expected size", or a hang). A bucket starts once the previous
+    bucket's collectives have ended; backward still runs meanwhile."""
+    if state.previous is not None:
+        state.previous.wait()
+    state.previous = powerSGD_hook.powerSGD_hook(state.powersgd, bucket)
+    return state.previous
+
+
 def register_compression(
     module: DistributedDataParallel, compression: GradientCompression | None, powersgd_options: dict[str, Any]
 ) -> None:
@@ -71,5 +91,5 @@ def register_compression(
         dtype = torch.bfloat16 if compression == "bf16" else torch.float16
         module.register_comm_hook(dtype, half_precision_hook)
     elif compression == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, **powersgd_options)
-        module.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        state = OrderedPowerSGDState(powerSGD_hook.PowerSGDState(process_group=None, **powersgd_options))
+        module.register_comm_hook(state, ordered_powersgd_hook)

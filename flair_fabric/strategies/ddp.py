@@ -82,6 +82,12 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
                 "FlairDDPStrategy.find_unused_parameters is still 'auto': call resolve_unused_parameters() before"
                 " fabric.setup_module()."
             )
+        if self.gradient_compression == "powersgd" and self.find_unused_parameters:
+            raise ValueError(
+                "gradient_compression='powersgd' with find_unused_parameters=True (the probe found parameters without"
+                " a gradient, or it was forced): the ranks' PowerSGD collectives fall out of step (seen on gloo). Use"
+                " 'bf16' or 'fp16', or let every trainable parameter get a gradient (freeze the others)."
+            )
         self._ddp_kwargs = {**self._ddp_kwargs, "find_unused_parameters": self.find_unused_parameters}
         wrapped = super().setup_module(module)
         register_compression(wrapped, self.gradient_compression, self.powersgd_options)

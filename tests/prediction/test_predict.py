@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from flair.data import DataPoint, Relation, Sentence
+from flair.data import DataPoint, Label, Relation, Sentence
 from flair.datasets import ColumnCorpus, ColumnDataset
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
@@ -60,6 +61,47 @@ def test_in_memory_labels_and_scores_equal_flairs_predict(tmp_path: Path, family
     returned = flair_fabric.predict(model, ours, devices=2, **FORK, **options)
     assert returned is ours
     _assert_same_labels(ours, reference, label_names_of(model, None))
+
+
+class _LabelsElsewhere(TextClassifier):
+    """Also puts a label on a token of another sentence, for the sentence ``marked``: a label no other process can
+    address."""
+
+    marked = ""
+
+    def predict(self, sentences: Any, *args: Any, **kwargs: Any) -> Any:
+        returned = super().predict(sentences, *args, **kwargs)
+        for sentence in sentences if isinstance(sentences, list) else [sentences]:
+            if sentence.to_original_text() == self.marked:
+                elsewhere = Label(Sentence("elsewhere")[0], "ELSEWHERE", 1.0)
+                sentence.annotation_layers.setdefault(self.label_type, []).append(elsewhere)
+        return returned
+
+
+@pytest.mark.multiprocess
+def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warning() -> None:
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # type: ignore[method-assign]
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, model_class=_LabelsElsewhere)
+    model.eval()
+    texts = [sentence.to_original_text() for sentence in corpus.train][:20]
+    _LabelsElsewhere.marked = max(texts, key=len)  # in the first batch: on rank 0 only, rank 1 must learn of it
+    reference, ours = [Sentence(text) for text in texts], [Sentence(text) for text in texts]
+    model.predict(reference, mini_batch_size=4)
+    logging.getLogger("flair").addHandler(handler)
+    try:
+        flair_fabric.predict(model, ours, devices=2, mini_batch_size=4, **FORK)
+    finally:
+        logging.getLogger("flair").removeHandler(handler)
+
+    def shown(sentence: Sentence) -> list[tuple[str, float]]:
+        return [(label.value, round(label.score, 6)) for label in sentence.get_labels(TREC_LABEL_TYPE)]
+
+    assert [shown(sentence) for sentence in ours] == [shown(sentence) for sentence in reference]
+    assert sum(value == "ELSEWHERE" for sentence in ours for value, _ in shown(sentence)) == 1
+    assert any("predicting in this process only: a predicted label on a Token" in r.getMessage() for r in warnings)
 
 
 def test_labels_cross_to_the_caller_as_json_unchanged_or_as_objects_when_they_carry_metadata() -> None:
