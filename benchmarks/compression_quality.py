@@ -3,7 +3,7 @@
     python benchmarks/compression_quality.py [--seeds 1 2 3] [--out benchmarks/results]
 
 ``examples/demo_trec.py`` (all-MiniLM-L6-v2 fine-tuned on TREC-6, 2 CPU processes) once per seed with exact DDP,
-``bf16`` and ``fp16`` compression, interleaved. (PowerSGD is refused for this model: its pooler gets no gradient, and
+``bf16`` compression, interleaved. (PowerSGD is refused for this model: its pooler gets no gradient, and
 PowerSGD with ``find_unused_parameters=True`` puts the ranks' collectives out of step.) Reports the final dev and
 test accuracy and the wall time of each run. Writes ``compression_quality.json`` and ``compression_quality.md``
 into ``--out``.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "examples" / "demo_trec.py"
-VARIANTS = ("exact", "bf16", "fp16")
+VARIANTS = ("exact", "bf16")
 
 
 def main() -> None:

@@ -519,6 +519,30 @@ MUTATIONS = [
         ["tests/strategies/test_compression.py", "-k", "fp16"],
     ),
     Mutation(
+        "DDP: PowerSGD's buckets in flight together",
+        "PowerSGD over several buckets keeps the ranks' collectives in step",
+        [
+            (
+                "flair_fabric/strategies/compression.py",
+                "    if state.previous is not None:\n        state.previous.wait()\n",
+                "",
+            )
+        ],
+        ["tests/strategies/test_compression.py", "-k", "several_buckets"],
+    ),
+    Mutation(
+        "DDP: PowerSGD allowed with unused parameters",
+        "PowerSGD with unused parameters is refused with the reason",
+        [
+            (
+                "flair_fabric/strategies/ddp.py",
+                'if self.gradient_compression == "powersgd" and self.find_unused_parameters:',
+                "if False:",
+            )
+        ],
+        ["tests/strategies/test_compression.py", "-k", "unused"],
+    ),
+    Mutation(
         "predict: label addresses come back from JSON as lists",
         "labels cross to the caller as JSON unchanged",
         [
