@@ -74,12 +74,12 @@ class Predicted:
     def to_json(self) -> str | None:
         """The labels as JSON text, which a process reads back many times faster than the pickled objects (PyTorch's
         data-only unpickler is pure Python); ``None`` if some label carries metadata (JSON could change its types)."""
+        if any(label.metadata for each in self.labels for recorded in each.values() for label in recorded):
+            return None
         labels = [
             {name: [[label.address, label.value, label.score] for label in recorded] for name, recorded in each.items()}
             for each in self.labels
         ]
-        if any(label.metadata for each in self.labels for recorded in each.values() for label in recorded):
-            return None
         return json.dumps({"labels": labels, "loss": self.loss})
 
     @classmethod
