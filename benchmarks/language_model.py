@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,16 +24,21 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = [  # name, trainer, processes, threads per process
-    ("flair, 1 process, 2 threads", "flair", 1, 2),
-    ("flair-fabric, 1 process, 2 threads", "fabric", 1, 2),
-    ("flair-fabric, 1 process, 1 thread", "fabric", 1, 1),
-    ("flair-fabric, 2 processes, 1 thread each", "fabric", 2, 1),
-]
 COLUMNS, SEQUENCE_LENGTH, HIDDEN = 64, 100, 256
+CONFIGS = [  # name, trainer, processes, threads per process, columns per process, precision
+    ("flair, 1 process, 2 threads", "flair", 1, 2, COLUMNS, "32-true"),
+    ("flair-fabric, 1 process, 2 threads", "fabric", 1, 2, COLUMNS, "32-true"),
+    ("flair-fabric, 1 process, 1 thread", "fabric", 1, 1, COLUMNS, "32-true"),
+    ("flair-fabric, 2 processes, 1 thread each", "fabric", 2, 1, COLUMNS // 2, "32-true"),
+    ("flair-fabric, 1 process, 1 thread, one rank's share", "fabric", 1, 1, COLUMNS // 2, "32-true"),
+    ("flair-fabric, 2 processes, 1 thread each, 2x the columns", "fabric", 2, 1, COLUMNS, "32-true"),
+    ("flair-fabric, 2 processes, 1 thread each, bf16-mixed", "fabric", 2, 1, COLUMNS // 2, "bf16-mixed"),
+]
 
 
-def run_one(corpus_dir: Path, trainer_name: str, processes: int, threads: int, out: Path) -> dict[str, float]:
+def run_one(
+    corpus_dir: Path, trainer_name: str, processes: int, threads: int, columns: int, precision: str, out: Path
+) -> dict[str, float]:
     """In this (fresh) process: train one epoch, return the seconds spent in all, in scoring and in generating."""
     import torch
     from flair.data import Dictionary
@@ -76,7 +82,7 @@ def run_one(corpus_dir: Path, trainer_name: str, processes: int, threads: int, o
     model = TimedModel(dictionary, is_forward_lm=True, hidden_size=HIDDEN, nlayers=1, embedding_size=64)
     options: dict[str, Any] = {
         "sequence_length": SEQUENCE_LENGTH,
-        "mini_batch_size": COLUMNS // processes,
+        "mini_batch_size": columns,
         "max_epochs": 1,
         "num_workers": 0,
     }
@@ -85,19 +91,24 @@ def run_one(corpus_dir: Path, trainer_name: str, processes: int, threads: int, o
         timed_class(model, corpus).train(out / "run", **options)
         return {**spent, "total": time.perf_counter() - started}
     strategy = "ddp_fork" if processes > 1 else "auto"
-    timed_class(model, corpus).train(out / "run", accelerator="cpu", devices=processes, strategy=strategy, **options)
+    timed_class(model, corpus).train(
+        out / "run", accelerator="cpu", devices=processes, strategy=strategy, precision=precision, **options
+    )
     return json.loads((out / "rank0.json").read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--splits", type=int, default=2, help="training split files used (of 16 cut from the text)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every configuration; medians are reported")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        corpus_dir, trainer_name, processes, threads, out = args.worker
-        result = run_one(Path(corpus_dir), trainer_name, int(processes), int(threads), Path(out))
+        corpus_dir, trainer_name, processes, threads, columns, precision, out = args.worker
+        result = run_one(
+            Path(corpus_dir), trainer_name, int(processes), int(threads), int(columns), precision, Path(out)
+        )
         (Path(out) / "result.json").write_text(json.dumps(result))
         return
 
@@ -111,22 +122,35 @@ def main() -> None:
         for extra in sorted((corpus_dir / "train").iterdir())[args.splits :]:
             extra.unlink()
         characters = sum(sizes[f"train/train_split_{number}"] for number in range(1, args.splits + 1))
-        rows = []
-        for name, trainer_name, processes, threads in CONFIGS:
-            out = Path(work) / f"{trainer_name}-{processes}-{threads}"
-            out.mkdir()
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-            command = [sys.executable, __file__, "--worker", str(corpus_dir), trainer_name, str(processes)]
-            subprocess.run([*command, str(threads), str(out)], env=env, check=True, capture_output=True)
-            seconds = json.loads((out / "result.json").read_text())
-            training = seconds["total"] - seconds["scoring"] - seconds["generating"]
-            rows.append({"configuration": name, **seconds, "training": training, "chars_per_s": characters / training})
-            print(f"{name}: {characters / training:,.0f} characters/s ({training:.1f} s training)", flush=True)
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in CONFIGS}
+        for repeat in range(args.repeats):  # rounds of every configuration: drift hits each alike
+            for name, trainer_name, processes, threads, columns, precision in CONFIGS:
+                out = Path(work) / f"{repeat}-{trainer_name}-{processes}-{threads}-{columns}-{precision}"
+                out.mkdir()
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+                command = [sys.executable, __file__, "--worker", str(corpus_dir), trainer_name, str(processes)]
+                command += [str(threads), str(columns), precision, str(out)]
+                subprocess.run(command, env=env, check=True, capture_output=True)
+                seconds = json.loads((out / "result.json").read_text())
+                training = seconds["total"] - seconds["scoring"] - seconds["generating"]
+                runs[name].append({**seconds, "training": training})
+                print(f"{name}: {characters / training:,.0f} characters/s ({training:.1f} s training)", flush=True)
+    rows = []
+    for name, measured in runs.items():
+        training = statistics.median(run["training"] for run in measured)
+        rows.append(
+            {"configuration": name, "runs": measured, "training": training, "chars_per_s": characters / training}
+        )
     rate = {row["configuration"]: row["chars_per_s"] for row in rows}
     summary = {
         "fabric_1_process_vs_flair": rate[CONFIGS[1][0]] / rate[CONFIGS[0][0]],
         "scaling_efficiency_2_processes": rate[CONFIGS[3][0]] / (2 * rate[CONFIGS[2][0]]),
         "two_processes_vs_flair": rate[CONFIGS[3][0]] / rate[CONFIGS[0][0]],
+        # the strong-scaling efficiency above, split into its two factors
+        "half_the_columns_per_character": rate[CONFIGS[4][0]] / rate[CONFIGS[2][0]],
+        "two_processes_vs_2x_one_ranks_share": rate[CONFIGS[3][0]] / (2 * rate[CONFIGS[4][0]]),
+        "scaling_efficiency_2_processes_same_columns_per_process": rate[CONFIGS[5][0]] / (2 * rate[CONFIGS[2][0]]),
+        "bf16_mixed_vs_32_true_2_processes": rate[CONFIGS[6][0]] / rate[CONFIGS[3][0]],
     }
     machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
     report = {"started": started_at, "machine": machine, "characters": characters, "rows": rows, **summary}
@@ -136,8 +160,8 @@ def main() -> None:
         "# Character language model: training characters per second",
         "",
         f"{started_at}, {machine}. One epoch over {args.splits} split files ({characters:,} characters) of the Austen"
-        f" text; LSTM {HIDDEN} units, {COLUMNS} columns in all, sequence length {SEQUENCE_LENGTH}. Scoring and"
-        " generated sample text are subtracted.",
+        f" text; LSTM {HIDDEN} units, {COLUMNS} columns in all unless the row says otherwise, sequence length"
+        f" {SEQUENCE_LENGTH}. Scoring and generated sample text are subtracted. Medians of {args.repeats} rounds.",
         "",
         "| configuration | training s | characters/s |",
         "|---|---|---|",
@@ -146,6 +170,18 @@ def main() -> None:
         f"flair-fabric on 1 process / flair: **{summary['fabric_1_process_vs_flair']:.3f}**; 2 processes / flair:"
         f" **{summary['two_processes_vs_flair']:.3f}**; 2-process scaling efficiency (against 2x one process with"
         f" one thread): **{summary['scaling_efficiency_2_processes']:.3f}**.",
+        "",
+        f"That efficiency is the product of two factors: one process with one rank's share ({COLUMNS // 2} columns)"
+        f" trains **{summary['half_the_columns_per_character']:.3f}** as many characters per second as with"
+        f" {COLUMNS} (smaller matrices per step), and 2 processes train **"
+        f"{summary['two_processes_vs_2x_one_ranks_share']:.3f}** of twice that one-share rate (what running two"
+        " processes costs: waiting for each other, communication, shared memory bandwidth). With mini_batch_size"
+        f" kept per process ({COLUMNS} columns each, {2 * COLUMNS} in all), 2 processes reach **"
+        f"{summary['scaling_efficiency_2_processes_same_columns_per_process']:.3f}** of twice one process.",
+        "",
+        f"bf16-mixed on 2 processes trains **{summary['bf16_mixed_vs_32_true_2_processes']:.3f}** as fast as 32-true"
+        " (on a CPU without bfloat16 instructions the LSTM runs in float32 without oneDNN; see"
+        " docs/language-model.md).",
     ]
     (args.out / "language_model.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-1:]))

@@ -453,6 +453,18 @@ MUTATIONS = [
         ["tests/language_model/test_language_model_trainer.py", "-k", "killed"],
     ),
     Mutation(
+        "language model: oneDNN's bfloat16 LSTM on every CPU",
+        "bf16-mixed trains on a CPU without bfloat16 instructions",
+        [
+            (
+                "flair_fabric/language_model/recurrent_kernels.py",
+                'or not precision.startswith("bf16") or cpu_has_bfloat16_lstm():',
+                "or True:",
+            )
+        ],
+        ["tests/language_model/test_language_model_trainer.py", "-k", "bf16_mixed"],
+    ),
+    Mutation(
         "predict: rank 0 keeps only its own batches' labels",
         "every data point gets the labels flair's predict gives it",
         [

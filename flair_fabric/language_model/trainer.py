@@ -17,6 +17,7 @@ from torch.optim.sgd import SGD
 from flair_fabric.language_model.arguments import LanguageModelArguments
 from flair_fabric.language_model.columns import check_enough_text
 from flair_fabric.language_model.loop import LanguageModelRun
+from flair_fabric.language_model.recurrent_kernels import recurrent_kernels
 from flair_fabric.language_model.resume import resume_file
 from flair_fabric.launch.config import build_fabric, make_launch_config
 from flair_fabric.launch.environment import restarted_by_torchrun
@@ -97,6 +98,11 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
                 f"strategy={strategy!r}: FabricLanguageModelTrainer trains with DDP ('ddp', 'ddp_spawn', 'ddp_fork',"
                 " 'ddp_notebook' or 'auto'); a character language model fits on every device."
             )
+        if launch.precision in ("bf16-true", "16-true"):
+            raise ValueError(
+                f"precision={precision!r}: flair's LanguageModel cannot be cast whole to half precision (its _apply"
+                " returns None, so .to(dtype) gives None); pass precision='bf16-mixed' (or '16-mixed' on a GPU)."
+            )
         base = Path(base_path)
         check_writable_folder(base)
         if resume_from is None and restarted_by_torchrun():
@@ -146,7 +152,8 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
 
     def train_on_rank(self, fabric: Fabric, arguments: LanguageModelArguments) -> None:
         """The training on one rank (called by the launch path)."""
-        LanguageModelRun(self, fabric, arguments).run()
+        with recurrent_kernels(fabric):
+            LanguageModelRun(self, fabric, arguments).run()
 
     @staticmethod
     def load_checkpoint(

@@ -147,6 +147,7 @@ BAD = [
     ({"mini_batch_size": 400, "devices": 2}, r"validation split \(valid.txt\) has \d+ characters: with"),
     ({"strategy": "fsdp", "devices": 2}, r"strategy='fsdp': FabricLanguageModelTrainer trains with DDP"),
     ({"resume_from": "/nonexistent/run"}, r"resume_from='/nonexistent/run': no lm-checkpoint.pt there"),
+    ({"precision": "bf16-true"}, r"precision='bf16-true': flair's LanguageModel cannot be cast whole"),
 ]
 
 
@@ -170,3 +171,28 @@ def test_a_corpus_without_split_files_is_refused(corpus: TextCorpus, tmp_path: P
         FabricLanguageModelTrainer(tiny_language_model(corpus), hollow).train(
             tmp_path / "run", mini_batch_size=2, accelerator="cpu", devices=1, **LM_OPTIONS
         )
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_trains_on_two_cpu_processes(
+    corpus: TextCorpus, one_process_4_columns: tuple[LanguageModel, Path], tmp_path: Path
+) -> None:
+    """On a CPU without bfloat16 instructions oneDNN cannot build a bfloat16 LSTM; the run still trains, close to
+    the float32 reference (bfloat16 keeps 8 bits of mantissa)."""
+    reference, _ = one_process_4_columns
+    model = tiny_language_model(corpus)
+    untrained = copy_model(model)
+    seeded()
+    FabricLanguageModelTrainer(model, corpus).train(
+        tmp_path,
+        mini_batch_size=2,
+        devices=2,
+        strategy="ddp_fork",
+        accelerator="cpu",
+        precision="bf16-mixed",
+        **LM_OPTIONS,
+    )
+    trained_by = _relative_difference(untrained, reference)
+    assert _relative_difference(reference, model) <= 0.1 * trained_by
+    validation = [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(tmp_path)[:-1]]
+    assert validation[-1] < validation[0]
