@@ -41,7 +41,21 @@ from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_corpus
 from flair_fabric.distributed.sharded_state import held_bytes
 
-VARIANTS = ("auto", "true", "false", "no-comm", "bf16", "fp16", "powersgd", "copy-grads", "static")
+VARIANTS = (
+    "auto",
+    "true",
+    "false",
+    "no-comm",
+    "bf16",
+    "fp16",
+    "powersgd",
+    "copy-grads",
+    "static",
+    "one-by-one",
+    "fused",
+)
+OPTIMIZER_VARIANTS = {"one-by-one": {"foreach": False}, "fused": {"fused": True}}
+"""Variants that change only the optimizer step: flair's (one parameter at a time) and PyTorch's fused one."""
 """FabricTrainer strategies: 'auto'; find_unused_parameters forced 'true'/'false'; 'no-comm' (gradients are not
 exchanged: a DDP communication hook that returns them as they are, to time everything but the communication);
 gradient compression 'bf16'/'fp16'/'powersgd'; 'copy-grads' (gradient_as_bucket_view=False); 'static'
@@ -167,7 +181,7 @@ def overhead(args: argparse.Namespace) -> None:
 
 
 def strategy_for(variant: str) -> Any:
-    if variant == "auto":
+    if variant == "auto" or variant in OPTIMIZER_VARIANTS:
         return "auto"
     if variant in ("true", "false"):
         return FlairDDPStrategy(find_unused_parameters=variant == "true")
@@ -189,8 +203,16 @@ def fabric_run(
     model = build_model(workload.model, corpus)
     timer = EpochTimer()
     trainer = FabricTrainer(model, corpus)
+    optimizer_options = OPTIMIZER_VARIANTS.get(variant, {})
     run_flair_style(
-        trainer, workload, timer, base_path, accelerator="cpu", devices=devices, strategy=strategy_for(variant)
+        trainer,
+        workload,
+        timer,
+        base_path,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy_for(variant),
+        **optimizer_options,
     )
     return trainer, timings(timer)
 
@@ -313,29 +335,41 @@ def native(args: argparse.Namespace) -> None:
 def bare_rank(rank: int, args: argparse.Namespace, port: int) -> None:
     """This rank's share of the batches (DistributedSampler's, shuffle=False): forward_loss, backward, optimizer step;
     'bare' runs the ranks independently (each rank's own compute), 'bare-synced' waits for every rank after each
-    step as a synchronous step does (compute plus waiting for the slowest rank). A process group only for barriers."""
+    step as a synchronous step does (compute plus waiting for the slowest rank). The optimizer steps as flair builds
+    it ('bare') and as FabricTrainer builds it ('bare-grouped': foreach=True). A process group only for barriers."""
     with cpu_process_group(rank, args.devices, port):
         workload = workload_of(args)
         result = header("bare", workload, args.devices)
+        variants = [(grouped, synced) for grouped in (False, True) for synced in (False, True)]
         for rep in range(-1, args.reps):
-            for synced in (False, True) if rep % 2 == 0 else (True, False):
+            for grouped, synced in variants if rep % 2 == 0 else variants[::-1]:
                 run = warmup_of(workload, args.devices) if rep < 0 else workload
-                model, seconds = _bare_epochs(run, rank, args.devices, synced)
+                model, seconds = _bare_epochs(run, rank, args.devices, synced, grouped)
                 if rep >= 0:
-                    result["runs"].append({"trainer": "bare-synced" if synced else "bare", "rep": rep, **seconds})
+                    name = "bare" + ("-grouped" if grouped else "") + ("-synced" if synced else "")
+                    result["runs"].append({"trainer": name, "rep": rep, **seconds})
         result["all_reduce_seconds_per_step"] = gradient_all_reduce_seconds(model)
         if rank == 0:
             write(args.out, result)
 
 
-def _bare_epochs(run: Workload, rank: int, devices: int, synced: bool) -> tuple[Any, dict[str, list[float]]]:
+def _bare_epochs(
+    run: Workload, rank: int, devices: int, synced: bool, grouped: bool
+) -> tuple[Any, dict[str, list[float]]]:
     from flair.training_utils import store_embeddings
+
+    from flair_fabric.training.optimizer_implementation import build_optimizer
 
     corpus = train_only_corpus(run.train_size)
     model = build_model(run.model, corpus)
     model.train()
     optimizer_class = torch.optim.AdamW if run.model == "minilm" else torch.optim.SGD
-    optimizer = optimizer_class(model.parameters(), lr=run.learning_rate)
+    options = {"lr": run.learning_rate}
+    optimizer = (
+        build_optimizer(optimizer_class, model.parameters(), options)
+        if grouped
+        else optimizer_class(model.parameters(), **options)
+    )
     mine = [corpus.train[i] for i in range(rank, len(corpus.train), devices)]
     batches = [mine[i : i + run.batch_size] for i in range(0, len(mine), run.batch_size)]
     timer = EpochTimer()

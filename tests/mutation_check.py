@@ -465,6 +465,30 @@ MUTATIONS = [
         ["tests/language_model/test_language_model_trainer.py", "-k", "bf16_mixed"],
     ),
     Mutation(
+        "optimizer: steps one parameter at a time (flair's CPU default)",
+        "the optimizer step is grouped (foreach) by default, bit-equal",
+        [
+            (
+                "flair_fabric/training/optimizer_implementation.py",
+                'options = {**options, "foreach": True}',
+                "options = dict(options)",
+            )
+        ],
+        ["tests/training/test_optimizer_implementation.py"],
+    ),
+    Mutation(
+        "optimizer: grouped step for any optimizer class",
+        "a subclass (which may override step) is built as flair builds it",
+        [
+            (
+                "flair_fabric/training/optimizer_implementation.py",
+                "if optimizer_class in GROUPED_STEP_OPTIMIZERS and",
+                "if issubclass(optimizer_class, GROUPED_STEP_OPTIMIZERS) and",
+            )
+        ],
+        ["tests/training/test_optimizer_implementation.py"],
+    ),
+    Mutation(
         "predict: rank 0 keeps only its own batches' labels",
         "every data point gets the labels flair's predict gives it",
         [

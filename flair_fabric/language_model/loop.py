@@ -42,6 +42,7 @@ from flair_fabric.language_model.resume import load_state_on_every_rank, save_st
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.state.model_files import write_atomically
 from flair_fabric.state.training_state import rng_state, set_rng_state
+from flair_fabric.training.optimizer_implementation import build_optimizer
 
 if TYPE_CHECKING:
     from flair_fabric.language_model.trainer import FabricLanguageModelTrainer
@@ -90,8 +91,8 @@ class LanguageModelRun:
         a, fabric, trainer = self.arguments, self.fabric, self.trainer
         start_from_the_callers_generators(fabric, a.generators)
         val_data, self.test_data = self.held_out_text_of_global_zero()
-        make_optimizer: Any = trainer.optimizer  # flair's optimizer class; every one of them takes lr
-        optimizer = make_optimizer(self.model.parameters(), lr=a.learning_rate, **a.optimizer_options)
+        options = {"lr": a.learning_rate, **a.optimizer_options}  # flair's optimizer class; every one of them takes lr
+        optimizer = build_optimizer(trainer.optimizer, self.model.parameters(), options)
         if trainer.optimizer_state is not None:
             optimizer.load_state_dict(trainer.optimizer_state)
         scheduler_class = ReduceLRWDOnPlateau if isinstance(optimizer, AdamW | SGDW) else ReduceLROnPlateau

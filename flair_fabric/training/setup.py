@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, Subset
 
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
+from flair_fabric.training.optimizer_implementation import build_optimizer
 
 log = logging.getLogger("flair")
 
@@ -102,7 +103,7 @@ def make_optimizer(model: flair.nn.Model, arguments: FlairArguments) -> torch.op
     """flair's optimizer for ``model``, with its separate decoder learning rate when one is given."""
     optimizer_arguments = arguments.optimizer_arguments
     if not arguments.decoder_learning_rate:
-        return arguments.optimizer(params=model.parameters(), **optimizer_arguments)
+        return build_optimizer(arguments.optimizer, model.parameters(), optimizer_arguments)
     named = list(model.named_parameters())
     params = [
         {"params": [p for name, p in named if "embeddings" not in name], "lr": arguments.decoder_learning_rate},
@@ -112,7 +113,7 @@ def make_optimizer(model: flair.nn.Model, arguments: FlairArguments) -> torch.op
         f"Modifying learning rate to {arguments.decoder_learning_rate} for the following "
         f"parameters: {[name for name, _ in named if 'embeddings' not in name]}"
     )
-    return arguments.optimizer(params=params, **optimizer_arguments)
+    return build_optimizer(arguments.optimizer, params, optimizer_arguments)
 
 
 def log_setup(
