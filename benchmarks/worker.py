@@ -54,12 +54,12 @@ VARIANTS = (
     "one-by-one",
     "fused",
 )
-OPTIMIZER_VARIANTS = {"one-by-one": {"foreach": False}, "fused": {"fused": True}}
-"""Variants that change only the optimizer step: flair's (one parameter at a time) and PyTorch's fused one."""
 """FabricTrainer strategies: 'auto'; find_unused_parameters forced 'true'/'false'; 'no-comm' (gradients are not
 exchanged: a DDP communication hook that returns them as they are, to time everything but the communication);
 gradient compression 'bf16'/'fp16'/'powersgd'; 'copy-grads' (gradient_as_bucket_view=False); 'static'
-(static_graph=True); 'bucketN' (bucket_cap_mb=N)."""
+(static_graph=True); 'bucketN' (bucket_cap_mb=N); 'one-by-one'/'fused' (OPTIMIZER_VARIANTS)."""
+OPTIMIZER_VARIANTS = {"one-by-one": {"foreach": False}, "fused": {"fused": True}}
+"""Variants that change only the optimizer step: flair's (one parameter at a time) and PyTorch's fused one."""
 
 
 def no_communication(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

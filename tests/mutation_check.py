@@ -458,8 +458,8 @@ MUTATIONS = [
         [
             (
                 "flair_fabric/language_model/recurrent_kernels.py",
-                'or not precision.startswith("bf16") or cpu_has_bfloat16_lstm():',
-                "or True:",
+                "return not torch.ops.mkldnn._is_mkldnn_bf16_supported()",
+                "return False",
             )
         ],
         ["tests/language_model/test_language_model_trainer.py", "-k", "bf16_mixed"],

@@ -37,7 +37,6 @@ from torch.utils.data import DataLoader
 
 from flair_fabric.language_model.arguments import LanguageModelArguments
 from flair_fabric.language_model.columns import rank_columns
-from flair_fabric.language_model.recurrent_kernels import explain_recurrent_kernels
 from flair_fabric.language_model.resume import load_state_on_every_rank, save_state, state_file
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.state.model_files import write_atomically
@@ -105,7 +104,6 @@ class LanguageModelRun:
         if resumed is not None:
             self.restore(resumed, optimizer, scheduler)
         log_handler = add_file_handler(log, a.base_path / "training.log") if fabric.is_global_zero else None
-        explain_recurrent_kernels(fabric)
         try:
             with graceful_interrupts(self.interrupted.append):
                 self.train_epochs(module, optimizer, scheduler, val_data, resumed)

@@ -1,17 +1,16 @@
-"""bfloat16 precision for flair's LSTM language model on CPUs without bfloat16 instructions.
+"""``bf16-mixed`` for flair's LSTM language model on CPUs without bfloat16 instructions.
 
-Under ``bf16-mixed`` (or ``bf16-true``) on a CPU, PyTorch runs the LSTM through oneDNN in bfloat16. oneDNN builds
-that kernel only on CPUs with bfloat16 instructions (AVX512-BF16, AMX); elsewhere the first step stops with "could
-not create a primitive descriptor for the LSTM forward propagation primitive". There the LSTM's forward and backward
-run with oneDNN switched off: PyTorch's own LSTM, in float32 under ``bf16-mixed`` (autocast leaves it so), while the
-embedding and the decoder keep bfloat16.
+Under ``bf16-mixed`` on a CPU, PyTorch runs the LSTM through oneDNN in bfloat16. oneDNN builds that kernel only on
+CPUs with bfloat16 instructions (AVX512-BF16, AMX); elsewhere the first step stops with "could not create a
+primitive descriptor for the LSTM forward propagation primitive". There the run goes with oneDNN switched off:
+PyTorch's own LSTM, in float32 (autocast leaves it so), while the embedding and the decoder keep bfloat16.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from lightning.fabric import Fabric
@@ -19,35 +18,29 @@ from lightning.fabric import Fabric
 log = logging.getLogger("flair")
 
 
-def cpu_has_bfloat16_lstm() -> bool:
-    """Whether oneDNN can run a bfloat16 LSTM on this CPU."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def recurrent_kernels(fabric: Fabric) -> AbstractContextManager[None]:
-    """The context for the language model's forward and backward pass: oneDNN off where its bfloat16 LSTM cannot run
-    (a CPU device, a bfloat16 precision, a CPU without bfloat16 instructions), otherwise nothing."""
+def lstm_needs_no_onednn(fabric: Fabric) -> bool:
+    """A CPU device, a bfloat16 precision, and a CPU on which oneDNN has no bfloat16 LSTM."""
     precision = str(getattr(fabric.strategy.precision, "precision", ""))
-    if fabric.device.type != "cpu" or not precision.startswith("bf16") or cpu_has_bfloat16_lstm():
-        return nullcontext()
-    return without_onednn()
+    if fabric.device.type != "cpu" or not precision.startswith("bf16"):
+        return False
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 @contextmanager
-def without_onednn() -> Iterator[None]:
+def recurrent_kernels(fabric: Fabric) -> Iterator[None]:
+    """The context of a rank's whole run: oneDNN off where its bfloat16 LSTM cannot run (said once, on global rank
+    0), restored afterwards; otherwise nothing changes."""
+    if not lstm_needs_no_onednn(fabric):
+        yield
+        return
+    if fabric.is_global_zero:
+        log.warning(
+            "this CPU has no bfloat16 instructions for oneDNN's LSTM: the LSTM runs in PyTorch's own kernel in float32;"
+            " the embedding and the decoder keep bfloat16."
+        )
     enabled = bool(torch.backends.mkldnn.enabled)
     torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a settable property of the module
     try:
         yield
     finally:
         torch.backends.mkldnn.enabled = enabled  # type: ignore[assignment]
-
-
-def explain_recurrent_kernels(fabric: Fabric) -> None:
-    """Log once, on global rank 0, when the LSTM runs without oneDNN."""
-    if fabric.is_global_zero and not isinstance(recurrent_kernels(fabric), nullcontext):
-        log.warning(
-            "this CPU has no bfloat16 instructions for oneDNN's LSTM: under %s the LSTM runs in PyTorch's own kernel"
-            " (in float32 under bf16-mixed); the embedding and the decoder keep bfloat16.",
-            fabric.strategy.precision.precision,
-        )
