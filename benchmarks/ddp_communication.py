@@ -19,7 +19,7 @@ from typing import Any
 
 from preemption import Runs
 
-FABRIC_VARIANTS = ("auto", "no-comm", "one-by-one", "fused", "bf16", "powersgd")
+FABRIC_VARIANTS = ("auto", "no-comm", "strided", "one-by-one", "fused", "bf16", "powersgd")
 EXACT_SAVINGS_VARIANTS = ("auto", "copy-grads", "static", "bucket5", "bucket100")
 
 
@@ -78,12 +78,14 @@ def communication_section(
         native = {v: _median_epoch(runs, mode="native", variant=v) for v in ("exact", "no-comm")}
         bare = _median_epoch(runs, mode="bare", trainer="bare")  # the optimizer as flair builds it
         synced = _median_epoch(runs, mode="bare", trainer="bare-synced")
-        bare_grouped = _median_epoch(runs, mode="bare", trainer="bare-grouped")  # as FabricTrainer builds it
+        bare_grouped = _median_epoch(runs, mode="bare", trainer="bare-grouped")  # FabricTrainer's step, strided
         synced_grouped = _median_epoch(runs, mode="bare", trainer="bare-grouped-synced")
+        bare_balanced = _median_epoch(runs, mode="bare", trainer="bare-grouped-balanced")  # as FabricTrainer trains
+        synced_balanced = _median_epoch(runs, mode="bare", trainer="bare-grouped-balanced-synced")
         one_process = _median_epoch(runs, mode="overhead", trainer="fabric")
         all_reduce_ms = 1000 * statistics.median(result["all_reduce_seconds_per_step"] for result in bare_results)
 
-        fabric_split = _per_step(fabric["auto"], fabric["no-comm"], bare_grouped, synced_grouped, steps)
+        fabric_split = _per_step(fabric["auto"], fabric["no-comm"], bare_balanced, synced_balanced, steps)
         native_split = _per_step(native["exact"], native["no-comm"], bare, synced, steps)
         summary = {
             "steps_per_epoch_per_rank": steps,
@@ -94,6 +96,8 @@ def communication_section(
                 "bare loop, ranks waiting for each other after every step": round(synced, 3),
                 "bare loop, grouped optimizer step (foreach)": round(bare_grouped, 3),
                 "bare loop, grouped step, ranks waiting for each other": round(synced_grouped, 3),
+                "bare loop, grouped step, steps dealt by length": round(bare_balanced, 3),
+                "bare loop, grouped step, dealt by length, ranks waiting for each other": round(synced_balanced, 3),
                 "fabric, one process, one thread": round(one_process, 3),
             },
             "per_step": {"fabric": fabric_split, "native": native_split},

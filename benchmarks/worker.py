@@ -53,13 +53,15 @@ VARIANTS = (
     "static",
     "one-by-one",
     "fused",
+    "strided",
 )
 """FabricTrainer strategies: 'auto'; find_unused_parameters forced 'true'/'false'; 'no-comm' (gradients are not
 exchanged: a DDP communication hook that returns them as they are, to time everything but the communication);
 gradient compression 'bf16'/'fp16'/'powersgd'; 'copy-grads' (gradient_as_bucket_view=False); 'static'
-(static_graph=True); 'bucketN' (bucket_cap_mb=N); 'one-by-one'/'fused' (OPTIMIZER_VARIANTS)."""
-OPTIMIZER_VARIANTS = {"one-by-one": {"foreach": False}, "fused": {"fused": True}}
-"""Variants that change only the optimizer step: flair's (one parameter at a time) and PyTorch's fused one."""
+(static_graph=True); 'bucketN' (bucket_cap_mb=N); 'one-by-one'/'fused'/'strided' (OPTION_VARIANTS)."""
+OPTION_VARIANTS = {"one-by-one": {"foreach": False}, "fused": {"fused": True}, "strided": {"balance_batches": False}}
+"""Variants that change one training argument: the optimizer step as flair builds it (one parameter at a time) or
+PyTorch's fused one; strided shards instead of each step's data points dealt to the ranks by length."""
 
 
 def no_communication(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -181,7 +183,7 @@ def overhead(args: argparse.Namespace) -> None:
 
 
 def strategy_for(variant: str) -> Any:
-    if variant == "auto" or variant in OPTIMIZER_VARIANTS:
+    if variant == "auto" or variant in OPTION_VARIANTS:
         return "auto"
     if variant in ("true", "false"):
         return FlairDDPStrategy(find_unused_parameters=variant == "true")
@@ -203,7 +205,7 @@ def fabric_run(
     model = build_model(workload.model, corpus)
     timer = EpochTimer()
     trainer = FabricTrainer(model, corpus)
-    optimizer_options = OPTIMIZER_VARIANTS.get(variant, {})
+    options = OPTION_VARIANTS.get(variant, {})
     run_flair_style(
         trainer,
         workload,
@@ -212,7 +214,7 @@ def fabric_run(
         accelerator="cpu",
         devices=devices,
         strategy=strategy_for(variant),
-        **optimizer_options,
+        **options,
     )
     return trainer, timings(timer)
 
@@ -332,21 +334,30 @@ def native(args: argparse.Namespace) -> None:
 # --- compute only: the same batches on N concurrent processes, no trainer, no DDP ---------------------------------
 
 
+BARE_VARIANTS = [  # (grouped optimizer step, each step dealt by length): as flair builds it, as FabricTrainer does
+    (False, False),
+    (True, True),
+    (True, False),
+]
+
+
 def bare_rank(rank: int, args: argparse.Namespace, port: int) -> None:
-    """This rank's share of the batches (DistributedSampler's, shuffle=False): forward_loss, backward, optimizer step;
-    'bare' runs the ranks independently (each rank's own compute), 'bare-synced' waits for every rank after each
-    step as a synchronous step does (compute plus waiting for the slowest rank). The optimizer steps as flair builds
-    it ('bare') and as FabricTrainer builds it ('bare-grouped': foreach=True). A process group only for barriers."""
+    """This rank's share of the batches (shuffle=False): forward_loss, backward, optimizer step; 'bare' runs the ranks
+    independently (each rank's own compute), '-synced' waits for every rank after each step as a synchronous step
+    does (compute plus waiting for the slowest rank). The optimizer steps as flair builds it ('bare') or as
+    FabricTrainer builds it ('-grouped': foreach=True); the batches are strided shards (DistributedSampler's, flair's)
+    or each step dealt to the ranks by length ('-balanced', FabricTrainer's default). A process group only for
+    barriers."""
     with cpu_process_group(rank, args.devices, port):
         workload = workload_of(args)
         result = header("bare", workload, args.devices)
-        variants = [(grouped, synced) for grouped in (False, True) for synced in (False, True)]
+        variants = [(*variant, synced) for variant in BARE_VARIANTS for synced in (False, True)]
         for rep in range(-1, args.reps):
-            for grouped, synced in variants if rep % 2 == 0 else variants[::-1]:
+            for grouped, balanced, synced in variants if rep % 2 == 0 else variants[::-1]:
                 run = warmup_of(workload, args.devices) if rep < 0 else workload
-                model, seconds = _bare_epochs(run, rank, args.devices, synced, grouped)
+                model, seconds = _bare_epochs(run, rank, args.devices, synced, grouped, balanced)
                 if rep >= 0:
-                    name = "bare" + ("-grouped" if grouped else "") + ("-synced" if synced else "")
+                    name = "bare" + "-grouped" * grouped + "-balanced" * balanced + "-synced" * synced
                     result["runs"].append({"trainer": name, "rep": rep, **seconds})
         result["all_reduce_seconds_per_step"] = gradient_all_reduce_seconds(model)
         if rank == 0:
@@ -354,11 +365,12 @@ def bare_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
 
 def _bare_epochs(
-    run: Workload, rank: int, devices: int, synced: bool, grouped: bool
+    run: Workload, rank: int, devices: int, synced: bool, grouped: bool, balanced: bool
 ) -> tuple[Any, dict[str, list[float]]]:
     from flair.training_utils import store_embeddings
 
     from flair_fabric.training.optimizer_implementation import build_optimizer
+    from flair_fabric.training.sampling import ShardedBatchSampler, data_point_lengths
 
     corpus = train_only_corpus(run.train_size)
     model = build_model(run.model, corpus)
@@ -370,8 +382,10 @@ def _bare_epochs(
         if grouped
         else optimizer_class(model.parameters(), **options)
     )
-    mine = [corpus.train[i] for i in range(rank, len(corpus.train), devices)]
-    batches = [mine[i : i + run.batch_size] for i in range(0, len(mine), run.batch_size)]
+    lengths = data_point_lengths(corpus.train) if balanced else None
+    order = list(range(len(corpus.train)))
+    sampler = ShardedBatchSampler(order, rank=rank, world_size=devices, batch_size=run.batch_size, lengths=lengths)
+    batches = [[corpus.train[i] for i in indices] for indices in sampler]
     timer = EpochTimer()
     for _ in range(run.epochs):
         torch.distributed.barrier()

@@ -48,8 +48,8 @@ class FabricTrainer(ModelTrainer):
 
     Use it exactly like ``ModelTrainer``; ``train``, ``fine_tune`` and ``train_custom`` also take ``accelerator``,
     ``devices``, ``num_nodes``, ``strategy``, ``precision``, ``progress_bar``, ``checkpoint_every_n_epochs``,
-    ``resume_from`` and ``collective_timeout``. ``devices=2`` in an ordinary script is enough: the script is
-    relaunched once per extra device by Fabric, or left alone when ``torchrun`` started it.
+    ``resume_from``, ``collective_timeout`` and ``balance_batches``. ``devices=2`` in an ordinary script is enough:
+    the script is relaunched once per extra device by Fabric, or left alone when ``torchrun`` started it.
     """
 
     def __init__(self, model: flair.nn.Model, corpus: Corpus) -> None:
@@ -129,9 +129,15 @@ class FabricTrainer(ModelTrainer):
         requeue_signal: Any = signal.SIGUSR1,
         resume_from: str | Path | None = None,
         collective_timeout: Any = None,
+        balance_batches: bool = True,
         **kwargs: Any,
     ) -> dict:
         flair_arguments = FlairArguments.bind(self, base_path, *args, **kwargs)
+        if not isinstance(balance_batches, bool):
+            raise ValueError(
+                f"balance_batches={balance_batches!r} is not valid: pass True (each step dealt by length) or False"
+                " (strided shards)."
+            )
         if flair_arguments.multi_gpu:
             raise ValueError(
                 "multi_gpu=True is flair's own multi-GPU mode; FabricTrainer starts the processes itself:"
@@ -165,6 +171,7 @@ class FabricTrainer(ModelTrainer):
             checkpoints=checkpoints,
             resume_folder=resume_folder,
             start_epoch=start_epoch,
+            balance_batches=balance_batches,
         )
         fabric = build_fabric(launch)
         self._check_run(arguments, fabric)

@@ -14,10 +14,15 @@ from .support import ANNEALED, UNION, run_script, write_config
 
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One user script, four trainings on 2 ranks started by the script relaunch (one process start-up)."""
+    """One user script, five trainings on 2 ranks started by the script relaunch (one process start-up)."""
     out = tmp_path_factory.mktemp("ddp")
     runs = [
         {"name": "union", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}},
+        {
+            "name": "strided",
+            "method": "train_custom",
+            "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2, "balance_batches": False},
+        },
         {
             "name": "union_chunked",
             "method": "train_custom",

@@ -53,6 +53,7 @@ ADDED_PARAMETERS = [
     inspect.Parameter(
         "collective_timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[float, timedelta, None]"
     ),
+    inspect.Parameter("balance_batches", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"),
 ]
 
 ADDED_DOC = """
@@ -79,6 +80,9 @@ ADDED_DOC = """
             collective_timeout: how long a rank waits in a collective for the others before the job ends with an
                 error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
                 rank 0 alone are not limited by it.
+            balance_batches: several processes: deal each step's data points to the ranks so that their token counts
+                are even (the same points per step, the same gradient up to the order of additions); False: strided
+                shards, each rank's batch as it falls.
 """
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -175,6 +179,8 @@ class TrainArguments:
     resume_folder: Path | None
     start_epoch: int
     """The completed epochs the run starts after: flair's ``epoch``, or the resumed checkpoint's."""
+    balance_batches: bool = True
+    """Several processes: deal each step's data points to the ranks by length."""
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -204,6 +210,7 @@ class TrainArguments:
             "requeue_signal": self.checkpoints.requeue_signal.name if self.checkpoints.requeue_signal else None,
             "resume_from": str(self.resume_folder) if self.resume_folder is not None else None,
             "collective_timeout": launch.collective_timeout,
+            "balance_batches": self.balance_batches,
         }
         parameters.update(self.flair.kwargs)
         return parameters

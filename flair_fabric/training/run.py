@@ -31,7 +31,13 @@ from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.participation import Participation, find_stand_in_batch
 from flair_fabric.training.progress_bar import EpochProgressBar
-from flair_fabric.training.sampling import EpochBatches, epoch_batches, shared_seed, steps_per_epoch
+from flair_fabric.training.sampling import (
+    EpochBatches,
+    data_point_lengths,
+    epoch_batches,
+    shared_seed,
+    steps_per_epoch,
+)
 from flair_fabric.training.setup import attach_plugins, base_path_ready, log_setup, make_optimizer, training_data
 from flair_fabric.training.step import train_step
 
@@ -60,6 +66,7 @@ class TrainingRun:
         self.resume_point: ResumePoint | None = None
         self.at_epoch_end: str | None = None  # a checkpoint due at the epoch's end ("" or the preemption's reason)
         self.dynamic_embeddings: list[str] | None = None
+        self.lengths: list[int] | None = None  # per data point, when each step is dealt to the ranks by length
 
     # --- the run, top-down --------------------------------------------------------------------------------------
 
@@ -92,6 +99,8 @@ class TrainingRun:
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)
         self.data = training_data(trainer, trainer.corpus, a)
+        balanced = fabric.world_size > 1 and self.arguments.balance_batches
+        self.lengths = data_point_lengths(self.data.train) if balanced else None
 
         # a step that learns nothing on one rank must still take part in the others' collectives
         stand_in = (
@@ -259,6 +268,8 @@ class TrainingRun:
             world_size=fabric.world_size,
             first_step=point.step_in_epoch if resumed and point and point.same_processes else 0,
             remaining_order=remaining,
+            lengths=self.lengths,
+            chunk_size=a.mini_batch_chunk_size,
         )
         if resumed and point:
             if point.same_processes:  # the order is drawn: the generators where the interrupted run left them

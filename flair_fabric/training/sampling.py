@@ -24,6 +24,8 @@ from flair.data import _len_dataset
 from flair.datasets import DataLoader
 from torch.utils.data import Dataset, Sampler
 
+from flair_fabric.training.balancing import data_point_length, deal_steps_by_length
+
 
 class ShardedBatchSampler(Sampler[list[int]]):
     """One rank's mini-batches of one epoch, cut from the global ``order`` of data point indices.
@@ -31,10 +33,21 @@ class ShardedBatchSampler(Sampler[list[int]]):
     Rank ``r`` reads ``order[r::world_size]`` in batches of ``batch_size``. Shards differ in length by at most one;
     the single extra point of a longer shard joins its last batch, so every rank yields the same number of batches.
     Without shuffling, the union of the ranks' k-th batches is the k-th batch of size ``world_size * batch_size``
-    of one process reading ``order``.
+    of one process reading ``order``. With ``lengths`` (per data point), each step's data points are dealt to the
+    ranks by length instead (:mod:`flair_fabric.training.balancing`): the same points per step, the rank with the
+    longest ones gets fewer (with ``chunk_size``: no rank needs more chunks than the strided batches need).
     """
 
-    def __init__(self, order: Sequence[int], *, rank: int, world_size: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        order: Sequence[int],
+        *,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        lengths: Sequence[int] | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
         if len(order) < world_size:
             raise ValueError(
                 f"the train split has {len(order)} data point(s) for {world_size} processes: every process needs at"
@@ -44,6 +57,15 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.batches = _cut_batches(list(order)[rank::world_size], batch_size, shortest)
         shard_sizes = [len(range(r, len(order), world_size)) for r in range(world_size)]
         every_rank = [_batch_sizes(size, batch_size, shortest) for size in shard_sizes]
+        if lengths is not None:
+            step_sizes = [sum(sizes) for sizes in zip(*every_rank, strict=True)]
+            capacities = [
+                math.ceil(max(sizes) / chunk_size) * chunk_size if chunk_size else total - world_size + 1
+                for sizes, total in zip(zip(*every_rank, strict=True), step_sizes, strict=True)
+            ]
+            dealt = deal_steps_by_length(order, step_sizes, world_size, capacities, lengths)
+            self.batches = dealt[rank]
+            every_rank = [[len(batch) for batch in batches] for batches in dealt]
         # the size of the largest batch of each step on any rank, so that every rank cuts as many chunks
         self.largest_batches = [max(sizes) for sizes in zip(*every_rank, strict=True)]
         # the data points all ranks read at each step: a mid-epoch checkpoint's position in the epoch's order
@@ -142,12 +164,16 @@ def epoch_batches(
     world_size: int,
     first_step: int = 0,
     remaining_order: list[int] | None = None,
+    lengths: Sequence[int] | None = None,
+    chunk_size: int | None = None,
 ) -> EpochBatches:
     """This rank's batches for ``epoch`` (1-based, as in flair).
 
     In one process the batches are flair's own loader's (same shuffling, same random numbers drawn); from
     ``first_step`` on, the loader's index batches are skipped without reading the data. ``remaining_order``: the
     epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh.
+    ``lengths`` (several processes): each step's data points are dealt to the ranks by these lengths, in hands that
+    need no more chunks of ``chunk_size`` than strided batches.
     """
     if remaining_order is not None:
         order = remaining_order
@@ -166,7 +192,9 @@ def epoch_batches(
     if world_size == 1:
         cut = [order[i : i + mini_batch_size] for i in range(0, len(order), mini_batch_size)]
         return EpochBatches(_read(train_data, cut), len(cut))
-    batches = ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=mini_batch_size)
+    batches = ShardedBatchSampler(
+        order, rank=rank, world_size=world_size, batch_size=mini_batch_size, lengths=lengths, chunk_size=chunk_size
+    )
     skipped = batches.batches[first_step:]
     return EpochBatches(
         _read(train_data, skipped),
@@ -195,3 +223,9 @@ def shared_seed(fabric: Any) -> int:
     """A shuffling seed drawn from rank 0's torch generator and broadcast, so all ranks shuffle alike."""
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if fabric.is_global_zero else 0
     return int(fabric.broadcast(seed, src=0))
+
+
+def data_point_lengths(train_data: Dataset) -> list[int]:
+    """The length of every data point of ``train_data`` (:func:`~flair_fabric.training.balancing.data_point_length`),
+    read once per run."""
+    return [data_point_length(train_data[index]) for index in range(_len_dataset(train_data))]

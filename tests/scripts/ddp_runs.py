@@ -44,11 +44,16 @@ class Traces(TrainerPlugin):
         self.weights: list[float] = []
         self.evaluations: list[dict] = []
         self.held_bytes: list[int] = []
+        self.batches: list[list[tuple[str, int]]] = []  # (text, tokens) of each sentence of each step
 
     @TrainerPlugin.hook
     def after_setup(self, **kw):
         fabric = self.trainer.fabric
         self.topology = {"node_rank": fabric.node_rank, "device": str(fabric.device)}
+
+    @TrainerPlugin.hook
+    def before_training_batch(self, batch, **kw):
+        self.batches.append([(sentence.to_original_text(), len(sentence)) for sentence in batch])
 
     @TrainerPlugin.hook
     def after_training_batch(self, **kw):
@@ -166,6 +171,7 @@ for run in CONFIG["runs"]:
         "weight_trace": traces.weights,
         "evaluations": traces.evaluations,
         "held_bytes": traces.held_bytes,
+        "batches": traces.batches,
         "world_size": trainer.world_size,
         "local_rank": trainer.local_rank,
         **traces.topology,

@@ -54,7 +54,7 @@ def _one_process_reference(tmp_path: Path) -> tuple[dict[str, torch.Tensor], lis
 
 def test_two_ranks_equal_one_process_on_the_union_of_their_batches(two_rank_runs: Path, tmp_path: Path) -> None:
     reference_weights, reference_losses = _one_process_reference(tmp_path)
-    for name in ("union", "union_chunked"):
+    for name in ("union", "union_chunked", "strided"):
         weights = _weights(two_rank_runs / name, 0)
         assert state_dict_difference(weights["initial"], weights["final"]) > 1e-3, "the model must have trained"
         assert state_dict_difference(weights["final"], reference_weights) <= 1e-5, name
@@ -62,6 +62,30 @@ def test_two_ranks_equal_one_process_on_the_union_of_their_batches(two_rank_runs
         losses = _summary(two_rank_runs / name, 0)["result"]["train_loss_history"]
         for expected, actual in zip(reference_losses, losses, strict=True):
             assert math.isclose(expected, actual, rel_tol=1e-5), (name, expected, actual)
+
+
+def test_balanced_steps_hold_the_strided_steps_data_and_pad_the_slowest_rank_less(two_rank_runs: Path) -> None:
+    """balance_batches (the default) against strided shards: every step trains the same questions, the slowest
+    rank's padded batch (questions x longest) is smaller, and the result is the same up to the order of additions."""
+    balanced = [_summary(two_rank_runs / "union", rank)["batches"] for rank in (0, 1)]
+    strided = [_summary(two_rank_runs / "strided", rank)["batches"] for rank in (0, 1)]
+    assert len(balanced[0]) == len(balanced[1]) == len(strided[0]) == len(strided[1]) > 0
+
+    def padded(batch: list[list]) -> int:
+        return len(batch) * max(length for _, length in batch)
+
+    slowest_balanced = slowest_strided = 0
+    for step in range(len(strided[0])):
+        assert sorted(map(tuple, balanced[0][step] + balanced[1][step])) == sorted(
+            map(tuple, strided[0][step] + strided[1][step])
+        ), step
+        slowest = max(padded(balanced[r][step]) for r in (0, 1))
+        assert slowest <= max(padded(strided[r][step]) for r in (0, 1)), step
+        slowest_balanced += slowest
+        slowest_strided += max(padded(strided[r][step]) for r in (0, 1))
+    assert slowest_balanced < 0.9 * slowest_strided, (slowest_balanced, slowest_strided)
+    final = {name: _weights(two_rank_runs / name, 0)["final"] for name in ("union", "strided")}
+    assert state_dict_difference(final["union"], final["strided"]) <= 1e-6
 
 
 def test_all_ranks_end_with_the_same_weights_and_results(two_rank_runs: Path) -> None:

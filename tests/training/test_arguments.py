@@ -57,6 +57,7 @@ BAD_ARGUMENTS = [
         {"collective_timeout": 30, "strategy": FlairDDPStrategy(), "devices": 2},
         r"collective_timeout=30 and a strategy object were both given: pass timeout= to the FlairDDPStrategy",
     ),
+    ({"balance_batches": "yes"}, r"balance_batches='yes' is not valid: pass True \(each step dealt by length\)"),
 ]
 
 
@@ -160,6 +161,7 @@ OURS = {
     "requeue_signal": signal.SIGUSR1,
     "resume_from": None,
     "collective_timeout": None,
+    "balance_batches": True,
 }
 
 

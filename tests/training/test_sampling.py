@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 import torch
 from flair.samplers import FlairSampler
 
+from flair_fabric.training.balancing import deal_by_length
 from flair_fabric.training.participation import chunks_for_every_rank
 from flair_fabric.training.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
 
@@ -64,6 +66,75 @@ def test_union_of_rank_batches_is_the_single_process_batch() -> None:
     for step in range(4):
         union = sorted(per_rank[0][step] + per_rank[1][step])
         assert union == sorted(order[step * 10 : (step + 1) * 10])
+
+
+def _padded(batch: list[int], lengths: list[int]) -> int:
+    return len(batch) * max(lengths[i] for i in batch)
+
+
+def test_dealing_by_length_keeps_each_steps_data_points_and_pads_the_slowest_rank_less() -> None:
+    """Against the strided sampler (the reference): the same data points per step, every rank at least one, each
+    rank's points in the epoch's order, and the largest padded batch (points x longest) never larger."""
+    generator = random.Random(5)
+    for size, world_size, batch_size, chunk in itertools.product(
+        [2, 7, 9, 22, 23, 64], [2, 3, 4], [1, 3, 8], [None, 2]
+    ):
+        if size < world_size:
+            continue
+        order = generator.sample(range(size), size)
+        lengths = [generator.randint(1, 60) for _ in range(size)]
+        strided = _all_batches(order, world_size, batch_size)
+        samplers = [
+            ShardedBatchSampler(
+                order, rank=r, world_size=world_size, batch_size=batch_size, lengths=lengths, chunk_size=chunk
+            )
+            for r in range(world_size)
+        ]
+        dealt = [list(sampler) for sampler in samplers]
+        position = {index: p for p, index in enumerate(order)}
+        for step in range(len(strided[0])):
+            assert sorted(i for r in range(world_size) for i in dealt[r][step]) == sorted(
+                i for r in range(world_size) for i in strided[r][step]
+            )
+            assert all(dealt[r][step] for r in range(world_size))
+            assert all(sorted(dealt[r][step], key=position.get) == dealt[r][step] for r in range(world_size))
+            slowest = max(_padded(dealt[r][step], lengths) for r in range(world_size))
+            assert slowest <= max(_padded(strided[r][step], lengths) for r in range(world_size))
+            largest = max(len(dealt[r][step]) for r in range(world_size))
+            assert all(sampler.largest_batches[step] == largest for sampler in samplers)
+            if chunk is not None:  # no rank runs more chunks than the strided batches need
+                strided_largest = max(len(strided[r][step]) for r in range(world_size))
+                assert math.ceil(largest / chunk) <= math.ceil(strided_largest / chunk)
+        assert (
+            samplers[0].step_sizes
+            == ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size).step_sizes
+        )
+
+
+def test_dealing_by_length_finds_the_least_padding_a_brute_force_search_finds() -> None:
+    generator = random.Random(11)
+    for _ in range(60):
+        world_size = generator.choice([2, 3])
+        total = generator.randint(world_size, 8)
+        lengths = [generator.randint(1, 30) for _ in range(total)]
+        best = min(
+            max(_padded([i for i in range(total) if owner[i] == r], lengths) for r in range(world_size))
+            for owner in itertools.product(range(world_size), repeat=total)
+            if len(set(owner)) == world_size
+        )
+        hands = deal_by_length(lengths, world_size, capacity=total)
+        assert max(_padded(hand, lengths) for hand in hands) == best, lengths
+        assert sorted(i for hand in hands for i in hand) == list(range(total))
+
+
+def test_dealing_by_length_gives_the_rank_with_the_long_sentences_fewer() -> None:
+    """Two long sentences and fourteen short ones for two ranks of 8: strided, both ranks pad 8 points to 40 tokens;
+    dealt, one rank takes the two long ones (80 padded tokens), the other the fourteen short ones (56)."""
+    lengths = [40 if index in (0, 1) else 4 for index in range(16)]
+    dealt = [list(ShardedBatchSampler(range(16), rank=r, world_size=2, batch_size=8, lengths=lengths)) for r in (0, 1)]
+    assert dealt[0] == [[0, 1]] and dealt[1] == [list(range(2, 16))]
+    strided = _all_batches(list(range(16)), 2, 8)
+    assert [_padded(strided[r][0], lengths) for r in (0, 1)] == [320, 320]
 
 
 def test_shuffled_order_is_shared_by_ranks_and_changes_per_epoch() -> None:
