@@ -81,7 +81,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "checkpointing": (Job("minilm", 1920, 8, 1, MINILM_LR, 2), 50),
         "resume": (Job("minilm", 800, 8, 1, MINILM_LR, 1), 5, 2),
         "end_to_end": (Job("minilm", 256, 16, 2, MINILM_LR, 2), 2, 500),
-        "communication": [(Job("minilm", 256, 16, 1, MINILM_LR, 2), 2), (Job("rnn", 2048, 16, 2, RNN_LR, 3), 2)],
+        "communication": [(Job("minilm", 512, 16, 1, MINILM_LR, 2), 3), (Job("rnn", 2048, 16, 2, RNN_LR, 3), 2)],
     },
     "quick": {
         "overhead": [Job("rnn", 512, 16, 1, RNN_LR, 2), Job("minilm", 64, 16, 1, MINILM_LR, 2)],

@@ -674,6 +674,50 @@ MUTATIONS = [
         ],
         ["tests/language_model/test_language_model_trainer.py", "-k", "script_relaunch"],
     ),
+    Mutation(
+        "balance: lengths never reach the sampler",
+        "each step's data points are dealt to the ranks by length by default",
+        [("flair_fabric/training/run.py", "            lengths=self.lengths,\n", "")],
+        ["tests/strategies/test_ddp.py", "-k", "balanced_steps"],
+    ),
+    Mutation(
+        "balance: equal hands (longest first, round robin)",
+        "the rank with the longest sentences gets fewer: least padding of the slowest rank",
+        [
+            (
+                "flair_fabric/training/balancing.py",
+                "    hands, start = [], 0\n    for size in sizes:\n",
+                "    sizes = [total // ranks + (r < total % ranks) for r in range(ranks)]\n"
+                "    longest_first = longest_first[0::2] + longest_first[1::2] if ranks == 2 else longest_first\n"
+                "    hands, start = [], 0\n    for size in sizes:\n",
+            )
+        ],
+        ["tests/training/test_sampling.py", "-k", "dealing_by_length"],
+    ),
+    Mutation(
+        "balance: a step's data points drawn from the whole epoch",
+        "every step trains the data points of the strided step (resume positions, the same gradient)",
+        [
+            (
+                "flair_fabric/training/balancing.py",
+                "        step = order[offset : offset + size]\n",
+                "        step = list(order)[offset::len(step_sizes)][:size]\n",
+            )
+        ],
+        ["tests/training/test_sampling.py", "-k", "dealing_by_length"],
+    ),
+    Mutation(
+        "balance: hands ignore the chunk capacity",
+        "with mini_batch_chunk_size no rank runs more chunks than strided batches need",
+        [
+            (
+                "flair_fabric/training/sampling.py",
+                "math.ceil(max(sizes) / chunk_size) * chunk_size if chunk_size else total - world_size + 1",
+                "total - world_size + 1",
+            )
+        ],
+        ["tests/training/test_sampling.py", "-k", "dealing_by_length"],
+    ),
 ]
 
 

@@ -146,6 +146,9 @@ def log_setup(
     )
     log.info(f' - mini_batch_size: "{a.mini_batch_size}" per device')
     log.info(f' - global batch size: "{a.mini_batch_size * fabric.world_size}" ({fabric.world_size} process(es))')
+    if fabric.world_size > 1:
+        dealt = "each step's data points dealt by length" if arguments.balance_batches else "strided shards"
+        log.info(f' - balance_batches: "{arguments.balance_batches}" ({dealt})')
     log.info(f' - max_epochs: "{a.max_epochs}"')
     log.info(f' - shuffle: "{data.shuffle}"')
     log_line(log)

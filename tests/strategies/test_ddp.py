@@ -114,7 +114,9 @@ def test_logs_and_models_are_written_once(two_rank_runs: Path) -> None:
     assert [row.split("\t")[0] for row in loss_rows[1:]] == ["1", "2", "3"]
     assert len(_epoch_lines(run_dir / "training.log", "done: loss")) == 3
     assert len(_epoch_lines(run_dir / "training.log", "DEV : loss")) == 3
-    assert 'global batch size: "8" (2 process(es))' in (run_dir / "training.log").read_text()
+    log_text = (run_dir / "training.log").read_text()
+    assert 'global batch size: "8" (2 process(es))' in log_text
+    assert 'balance_batches: "True" (each step\'s data points dealt by length)' in log_text
     assert not list(run_dir.glob(".*.tmp")), "no temporary model files are left behind"
     # best model chosen on dev and loaded on every rank at the end; the file loads with flair's own loader
     best = TextClassifier.load(run_dir / "best-model.pt")
