@@ -707,6 +707,18 @@ MUTATIONS = [
         ["tests/training/test_sampling.py", "-k", "dealing_by_length"],
     ),
     Mutation(
+        "balance: also under FSDP",
+        "sharded strategies keep strided shards (FSDP's collectives need batches alike)",
+        [
+            (
+                "flair_fabric/training/run.py",
+                "self.arguments.balance_batches and keeps_whole_model(fabric.strategy)",
+                "self.arguments.balance_batches",
+            )
+        ],
+        ["tests/strategies/test_fsdp.py", "-k", "forked_workers_and_a_user_policy"],
+    ),
+    Mutation(
         "balance: hands ignore the chunk capacity",
         "with mini_batch_chunk_size no rank runs more chunks than strided batches need",
         [

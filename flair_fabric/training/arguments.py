@@ -80,9 +80,9 @@ ADDED_DOC = """
             collective_timeout: how long a rank waits in a collective for the others before the job ends with an
                 error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
                 rank 0 alone are not limited by it.
-            balance_batches: several processes: deal each step's data points to the ranks so that their token counts
-                are even (the same points per step, the same gradient up to the order of additions); False: strided
-                shards, each rank's batch as it falls.
+            balance_batches: several processes with DDP: deal each step's data points to the ranks so that the rank with
+                the longest sentences gets fewer (the same points per step, the same gradient up to the order of
+                additions); False, and always with FSDP or DeepSpeed: strided shards of equal size.
 """
 
 Method = TypeVar("Method", bound=Callable[..., Any])

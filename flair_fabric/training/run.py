@@ -24,7 +24,7 @@ from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
 from flair_fabric.state.progress import RunProgress
-from flair_fabric.strategies import training_strategy
+from flair_fabric.strategies import keeps_whole_model, training_strategy
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Checkpointing, Preempted, ResumePoint
 from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
@@ -99,7 +99,8 @@ class TrainingRun:
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)
         self.data = training_data(trainer, trainer.corpus, a)
-        balanced = fabric.world_size > 1 and self.arguments.balance_batches
+        # sharded strategies keep strided shards: FSDP's collectives mismatched with batches of different sizes
+        balanced = fabric.world_size > 1 and self.arguments.balance_batches and keeps_whole_model(fabric.strategy)
         self.lengths = data_point_lengths(self.data.train) if balanced else None
 
         # a step that learns nothing on one rank must still take part in the others' collectives

@@ -18,6 +18,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
+from flair_fabric.strategies import keeps_whole_model
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.optimizer_implementation import build_optimizer
 
@@ -147,7 +148,8 @@ def log_setup(
     log.info(f' - mini_batch_size: "{a.mini_batch_size}" per device')
     log.info(f' - global batch size: "{a.mini_batch_size * fabric.world_size}" ({fabric.world_size} process(es))')
     if fabric.world_size > 1:
-        dealt = "each step's data points dealt by length" if arguments.balance_batches else "strided shards"
+        balanced = arguments.balance_batches and keeps_whole_model(fabric.strategy)
+        dealt = "each step's data points dealt by length" if balanced else "strided shards"
         log.info(f' - balance_batches: "{arguments.balance_batches}" ({dealt})')
     log.info(f' - max_epochs: "{a.max_epochs}"')
     log.info(f' - shuffle: "{data.shuffle}"')

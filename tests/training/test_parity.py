@@ -37,6 +37,7 @@ FABRIC_ONLY_SETUP_KEYS = {
     "checkpoint_every_n_minutes",
     "keep_checkpoints",
     "requeue_signal",
+    "balance_batches",
 }
 
 
