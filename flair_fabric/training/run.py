@@ -77,7 +77,15 @@ class TrainingRun:
             trainer.context_stack = context_stack
             parameters = self.set_up()
             trainer.dispatch("after_setup", **parameters)
-            log_setup(trainer.model, trainer.corpus, self.fabric, self.arguments, self.data, self.plugins)
+            log_setup(
+                trainer.model,
+                trainer.corpus,
+                self.fabric,
+                self.arguments,
+                self.data,
+                self.plugins,
+                dealt_by_length=self.lengths is not None,
+            )
             if self.arguments.resume_folder is not None:
                 self.resume_point = self.checkpointing.resume()
             preemption = self.arguments.checkpoints.requeue_signal

@@ -54,10 +54,11 @@ class ShardedBatchSampler(Sampler[list[int]]):
                 " least one; use fewer devices or more training data."
             )
         shortest = len(order) // world_size
-        self.batches = _cut_batches(list(order)[rank::world_size], batch_size, shortest)
         shard_sizes = [len(range(r, len(order), world_size)) for r in range(world_size)]
         every_rank = [_batch_sizes(size, batch_size, shortest) for size in shard_sizes]
-        if lengths is not None:
+        if lengths is None:
+            self.batches = _cut_batches(list(order)[rank::world_size], batch_size, shortest)
+        else:
             step_sizes = [sum(sizes) for sizes in zip(*every_rank, strict=True)]
             capacities = [
                 math.ceil(max(sizes) / chunk_size) * chunk_size if chunk_size else total - world_size + 1

@@ -18,7 +18,6 @@ from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
-from flair_fabric.strategies import keeps_whole_model
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.optimizer_implementation import build_optimizer
 
@@ -124,8 +123,9 @@ def log_setup(
     arguments: TrainArguments,
     data: TrainingData,
     plugins: list[TrainerPlugin],
+    dealt_by_length: bool,
 ) -> None:
-    """flair's set-up log, with the processes and the strategy added."""
+    """flair's set-up log, with the processes, the strategy and how steps are dealt to the ranks added."""
     a = arguments.flair
     final_eval_info = (
         "model after last epoch (final-model.pt)"
@@ -148,8 +148,7 @@ def log_setup(
     log.info(f' - mini_batch_size: "{a.mini_batch_size}" per device')
     log.info(f' - global batch size: "{a.mini_batch_size * fabric.world_size}" ({fabric.world_size} process(es))')
     if fabric.world_size > 1:
-        balanced = arguments.balance_batches and keeps_whole_model(fabric.strategy)
-        dealt = "each step's data points dealt by length" if balanced else "strided shards"
+        dealt = "each step's data points dealt by length" if dealt_by_length else "strided shards"
         log.info(f' - balance_batches: "{arguments.balance_batches}" ({dealt})')
     log.info(f' - max_epochs: "{a.max_epochs}"')
     log.info(f' - shuffle: "{data.shuffle}"')
