@@ -730,6 +730,42 @@ MUTATIONS = [
         ],
         ["tests/training/test_sampling.py", "-k", "dealing_by_length"],
     ),
+    Mutation(
+        "Fabric detects the cluster itself (initialises MPI wherever mpi4py is installed)",
+        "a run survives an mpi4py without an MPI launcher",
+        [
+            (
+                "flair_fabric/launch/config.py",
+                "plugins=None if own else [cluster_environment()],",
+                "plugins=None,",
+            )
+        ],
+        ["tests/launch/test_mpi_detection.py::test_training_with_mpi4py_installed_but_no_mpi_launcher"],
+    ),
+    Mutation(
+        "precision is resolved with Fabric's own cluster detection",
+        "a run survives an mpi4py without an MPI launcher",
+        [
+            (
+                "flair_fabric/launch/config.py",
+                "plugins=[LightningEnvironment()],  # one local process",
+                "plugins=None,  # one local process",
+            )
+        ],
+        ["tests/launch/test_mpi_detection.py::test_training_with_mpi4py_installed_but_no_mpi_launcher"],
+    ),
+    Mutation(
+        "MPI asked without an MPI launcher",
+        "MPIEnvironment only for processes mpirun started",
+        [
+            (
+                "flair_fabric/launch/environment.py",
+                "if started_by_mpi_launcher() and MPIEnvironment.detect():",
+                "if MPIEnvironment.detect():",
+            )
+        ],
+        ["tests/launch/test_mpi_detection.py"],
+    ),
 ]
 
 

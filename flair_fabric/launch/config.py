@@ -22,11 +22,13 @@ from typing import Any
 
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
 from flair_fabric.launch.environment import (
     ExternalLaunch,
+    cluster_environment,
     cuda_is_initialized,
     external_launch,
     is_interactive,
@@ -181,7 +183,12 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
     try:  # Fabric's connector resolves the aliases and refuses what the accelerator cannot do
         with warnings.catch_warnings(), _lightning_quiet():
             warnings.simplefilter("ignore")  # Lightning's note that an alias was translated
-            fabric = Fabric(accelerator=accelerator, devices=1, precision=precision)  # type: ignore[arg-type]
+            fabric = Fabric(
+                accelerator=accelerator,
+                devices=1,
+                precision=precision,  # type: ignore[arg-type]
+                plugins=[LightningEnvironment()],  # one local process; no cluster detection (see cluster_environment)
+            )
     except (ValueError, TypeError, RuntimeError) as error:
         raise ValueError(f"precision={precision!r} is not supported here: {error}") from None
     resolved = str(getattr(fabric.strategy.precision, "precision", "32-true"))
@@ -334,11 +341,16 @@ def make_launch_config(
 
 
 def build_fabric(config: LaunchConfig) -> Fabric:
-    """Create the Fabric for ``config``; processes start only when :meth:`Fabric.launch` is called."""
+    """Create the Fabric for ``config``; processes start only when :meth:`Fabric.launch` is called.
+
+    The cluster environment is chosen here (:func:`cluster_environment`), not by Fabric, unless a strategy object
+    brings its own: Fabric's detection initialises MPI in every process where ``mpi4py`` is installed."""
+    own = isinstance(config.strategy, Strategy) and getattr(config.strategy, "cluster_environment", None) is not None
     return Fabric(
         accelerator=config.accelerator,
         devices=config.devices,
         num_nodes=config.num_nodes,
         strategy=config.strategy,
         precision=config.precision,  # type: ignore[arg-type]
+        plugins=None if own else [cluster_environment()],
     )

@@ -1,7 +1,10 @@
 """Where this process runs: started by torchrun or SLURM, inside a notebook, with CUDA already initialised.
 
 Detection goes through Fabric's own cluster environments (``TorchElasticEnvironment``, ``SLURMEnvironment``), so a
-script started by ``torchrun`` or ``srun`` is recognised exactly as Fabric will recognise it.
+script started by ``torchrun`` or ``srun`` is recognised exactly as Fabric will recognise it. The one exception is
+MPI: Fabric asks ``mpi4py`` in every process, which initialises MPI, and where Open MPI is installed without a
+launcher to start its daemon (a container image with ``mpi4py``, as on the GPU machine of the GPU check) that
+aborts the whole process. :func:`cluster_environment` asks MPI only when an MPI launcher started the process.
 """
 
 from __future__ import annotations
@@ -14,7 +17,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments import (
+    ClusterEnvironment,
+    LightningEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+
+# What mpirun / mpiexec (Open MPI, MPICH and Intel MPI through PMI or PMIx, MVAPICH) put into each process it starts.
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,23 @@ def external_launch() -> ExternalLaunch | None:
         described = f"torchrun started {world_size} process(es), {devices} per node (--nproc_per_node={devices})"
         return ExternalLaunch("torchrun", devices, nodes, described)
     return None
+
+
+def started_by_mpi_launcher() -> bool:
+    """Whether ``mpirun``/``mpiexec`` started this process (one of :data:`MPI_LAUNCHER_VARIABLES` is set)."""
+    return any(name in os.environ for name in MPI_LAUNCHER_VARIABLES)
+
+
+def cluster_environment() -> ClusterEnvironment:
+    """The cluster environment Fabric would choose (torchrun, SLURM, LSF, MPI, else Lightning's own), in Fabric's
+    order, except that MPI is asked only when an MPI launcher started this process: ``MPIEnvironment.detect()``
+    initialises MPI, which aborts the process where Open MPI cannot start its daemon."""
+    for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment):
+        if environment.detect():
+            return environment()
+    if started_by_mpi_launcher() and MPIEnvironment.detect():
+        return MPIEnvironment()
+    return LightningEnvironment()
 
 
 def use_this_ranks_gpu() -> None:
