@@ -1304,9 +1304,11 @@ def probe_parallel_devices(ctx: Context, backend: str) -> dict:
 
 
 def probe_fork_after_import_flair(ctx: Context) -> dict:
-    """A notebook's order: ``import flair`` first (its import asks ``torch.cuda.is_available()``; this probe's
-    environment lacks PYTORCH_NVML_BASED_CUDA_CHECK, which Lightning sets only when it is imported), the model built
-    on the CPU, then strategy="ddp_fork" on the GPU, which needs a parent that has not touched CUDA."""
+    """A notebook's order: ``import flair`` first (its import asks ``torch.cuda.is_available()``, which initialises
+    the CUDA driver; this probe's environment lacks PYTORCH_NVML_BASED_CUDA_CHECK, which the parent's Lightning
+    import set), the model built on the CPU, then strategy="ddp_fork" on the GPU. Forked workers cannot use a driver
+    the parent initialised (the first GPU run: CUDA initialization error in the workers), so FabricTrainer must refuse
+    at once with an error that names the fix."""
     import flair  # before anything else of flair-fabric or Lightning
     import torch
 
@@ -1314,14 +1316,33 @@ def probe_fork_after_import_flair(ctx: Context) -> dict:
     model, corpus = build_tiny_onehot_classifier()
     from flair_fabric import FabricTrainer
 
-    kwargs = {"max_epochs": 1, "mini_batch_size": 8, "learning_rate": 0.1, "create_file_logs": False}
+    answer = expect_refusal(lambda: fork_one_epoch(ctx, FabricTrainer(model, corpus), "fork-after-flair"))
+    if answer["refused"] and "import flair_fabric before flair" not in answer["error"]:
+        return {"works": False, "refused": False, "error": answer["error"]}  # failed, but not with the clear error
+    return answer
+
+
+def probe_fork_after_import_flair_fabric(ctx: Context) -> dict:
+    """The order the refusal above asks for: ``import flair_fabric`` first (it sets PYTORCH_NVML_BASED_CUDA_CHECK
+    before flair is imported), then flair, the model built on the CPU, strategy="ddp_fork" on the GPU: it trains."""
+    flair_fabric = importlib.import_module("flair_fabric")  # first: before flair
+    import flair
+    import torch
+
+    flair.device = torch.device("cpu")
+    model, corpus = build_tiny_onehot_classifier()
     try:
-        FabricTrainer(model, corpus).train(
-            ctx.work / "fork", accelerator=ctx.accelerator, devices=1, strategy="ddp_fork", progress_bar=False, **kwargs
-        )
+        fork_one_epoch(ctx, flair_fabric.FabricTrainer(model, corpus), "fork-after-flair-fabric")
     except Exception as error:
         return {"works": False, "error": f"{type(error).__name__}: {error}"[:800]}
     return {"works": True, "error": None}
+
+
+def fork_one_epoch(ctx: Context, trainer: Any, folder: str) -> None:
+    kwargs = {"max_epochs": 1, "mini_batch_size": 8, "learning_rate": 0.1, "create_file_logs": False}
+    trainer.train(
+        ctx.work / folder, accelerator=ctx.accelerator, devices=1, strategy="ddp_fork", progress_bar=False, **kwargs
+    )
 
 
 def probe_deepspeed_train(ctx: Context) -> dict:
@@ -1343,9 +1364,13 @@ PROBES: dict[str, Callable[[Context], dict]] = {
     "parallel_devices_gloo": lambda ctx: probe_parallel_devices(ctx, "gloo"),
     "parallel_devices_nccl": lambda ctx: probe_parallel_devices(ctx, "nccl"),
     "fork_after_import_flair": probe_fork_after_import_flair,
+    "fork_after_import_flair_fabric": probe_fork_after_import_flair_fabric,
     "deepspeed_train": probe_deepspeed_train,
 }
-PROBE_ENV_DROPPED = {"fork_after_import_flair": ("PYTORCH_NVML_BASED_CUDA_CHECK",)}
+PROBE_ENV_DROPPED = {
+    "fork_after_import_flair": ("PYTORCH_NVML_BASED_CUDA_CHECK",),
+    "fork_after_import_flair_fabric": ("PYTORCH_NVML_BASED_CUDA_CHECK",),
+}
 
 ONE_GPU_PROBES = (  # check name, probe, expected: "refused", "works", or "answers" (works, or a clear error)
     ("one_gpu_fabric_trainer_duplicate_devices", "fabric_trainer_duplicate_devices", "refused"),
@@ -1355,7 +1380,8 @@ ONE_GPU_PROBES = (  # check name, probe, expected: "refused", "works", or "answe
     ("one_gpu_torch_nccl_two_ranks", "torch_nccl", "answers"),
     ("one_gpu_fabric_trainer_parallel_devices_gloo", "parallel_devices_gloo", "answers"),
     ("one_gpu_fabric_trainer_parallel_devices_nccl", "parallel_devices_nccl", "answers"),
-    ("one_gpu_ddp_fork_after_import_flair", "fork_after_import_flair", "works"),
+    ("one_gpu_ddp_fork_after_import_flair", "fork_after_import_flair", "refused"),
+    ("one_gpu_ddp_fork_after_import_flair_fabric", "fork_after_import_flair_fabric", "works"),
 )
 
 
@@ -1368,12 +1394,14 @@ ONE_GPU_TITLES = {
     "parallel_devices_gloo": "FabricTrainer, devices=1, FlairDDPStrategy(parallel_devices=[cuda:0, cuda:0], gloo)",
     "parallel_devices_nccl": "FabricTrainer, devices=1, FlairDDPStrategy(parallel_devices=[cuda:0, cuda:0], nccl)",
     "fork_after_import_flair": "strategy='ddp_fork' on the GPU after `import flair` (model built on the CPU)",
+    "fork_after_import_flair_fabric": "strategy='ddp_fork' on the GPU, `import flair_fabric` before flair",
 }
 
 
 ONE_GPU_CUDA_REASONS = {
     "fabric_trainer_more_devices": "counts CUDA devices (on CPU, devices= counts processes)",
     "fork_after_import_flair": "CUDA in forked workers after the parent asked torch.cuda.is_available()",
+    "fork_after_import_flair_fabric": "CUDA in forked workers after the parent imported flair",
 }
 
 
@@ -2625,14 +2653,16 @@ CUDA_REVIEW: tuple[tuple[str, str], ...] = (
         " finding, listed because the issue asks.",
     ),
     (
-        "flair_fabric/launch/config.py:272 (check_start_method: fork refused if torch.cuda.is_initialized()) with"
-        " flair/__init__.py:30 (torch.cuda.is_available() at import)",
+        "flair_fabric/launch/config.py (check_start_method) and launch/environment.py (cuda_driver_initialized)"
+        " with flair/__init__.py:30 (torch.cuda.is_available() at import)",
         "torch.cuda.is_available() initialises the CUDA driver through cudaGetDeviceCount unless"
         " PYTORCH_NVML_BASED_CUDA_CHECK=1, which Lightning sets only when it is imported"
         " (lightning/fabric/__init__.py:28). A notebook that imports flair before flair_fabric has a driver"
-        " initialised although torch.cuda.is_initialized() is False: the check passes and the forked workers of"
-        " ddp_fork/ddp_notebook may fail with a CUDA initialization error. Checked by"
-        " one_gpu_ddp_fork_after_import_flair.",
+        " initialised although torch.cuda.is_initialized() is False; the first GPU run confirmed that the forked"
+        " workers then fail. Fixed: flair_fabric sets the variable before it imports flair, and ddp_fork/ddp_notebook"
+        " on the GPU is refused at once when cuDeviceGetCount answers (the driver was initialised), with the fix in"
+        " the message. Checked by one_gpu_ddp_fork_after_import_flair (refused) and"
+        " one_gpu_ddp_fork_after_import_flair_fabric (works).",
     ),
     (
         "flair_fabric/evaluation/api.py:37-40 (_evaluate_on_rank: job.model.to(fabric.device)) with"

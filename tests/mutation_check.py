@@ -53,8 +53,8 @@ MUTATIONS = [
         [
             (
                 "flair_fabric/training/run.py",
-                "agreed = self.lockstep.agree(loss.loss_sum, count)",
-                "agreed = self.lockstep.agree(loss.mean(), torch.ones((), device=self.fabric.device))",
+                "agreed = self.lockstep.agree(loss.loss_sum, float(loss.data_points))",
+                "agreed = self.lockstep.agree(loss.mean(), 1.0)",
             )
         ],
         ["tests/training/test_every_model.py", "-k", "union and text_missing_labels"],

@@ -29,6 +29,7 @@ from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_co
 from flair_fabric.launch.environment import (
     ExternalLaunch,
     cluster_environment,
+    cuda_driver_initialized,
     cuda_is_initialized,
     external_launch,
     is_interactive,
@@ -257,7 +258,7 @@ def _split_find_unused(strategy: str) -> tuple[str, FindUnused]:
     return strategy, "auto"
 
 
-def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None) -> None:
+def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None, accelerator: str) -> None:
     """Refuse process start-ups that cannot work here: a relaunch from a notebook, workers started by a script that
     torchrun/SLURM already started, and forking after CUDA was initialised."""
     if not isinstance(strategy, LAUNCHING_STRATEGIES):
@@ -284,6 +285,13 @@ def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | No
             " process (flair moves new models to flair.device, cuda:0 by default). Set flair.device ="
             " torch.device('cpu') (or FLAIR_DEVICE=cpu) before building the model and restart the kernel, or use"
             " strategy='ddp_spawn' in a script."
+        )
+    if strategy.start_method == "fork" and accelerator == "cuda" and cuda_driver_initialized():
+        raise RuntimeError(
+            "strategy='ddp_fork'/'ddp_notebook' cannot fork worker processes that use the GPU: this process has"
+            " initialised the CUDA driver (importing flair before flair_fabric does: flair asks"
+            " torch.cuda.is_available() when it is imported). Restart the kernel and import flair_fabric before flair"
+            " (or set PYTORCH_NVML_BASED_CUDA_CHECK=1 before importing torch), or use strategy='ddp_spawn' in a script."
         )
 
 
@@ -335,7 +343,7 @@ def make_launch_config(
     check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
     resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched, timeout)
-    check_start_method(resolved_strategy, launched)
+    check_start_method(resolved_strategy, launched, concrete_accelerator)
     check_strategy(resolved_strategy, concrete_accelerator, resolved_precision)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision, timeout)
 

@@ -9,6 +9,7 @@ aborts the whole process. :func:`cluster_environment` asks MPI only when an MPI 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -109,6 +110,25 @@ def in_jupyter_kernel() -> bool:
 def cuda_is_initialized() -> bool:
     """Whether this process has already initialised CUDA (after which it cannot fork workers that use it)."""
     return torch.cuda.is_initialized()
+
+
+CUDA_SUCCESS = 0
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether this process has initialised the CUDA driver (``cuInit``), which ``torch.cuda.is_initialized()`` does
+    not tell: without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, ``torch.cuda.is_available()`` (``import flair`` asks it)
+    calls cudaGetDeviceCount, which initialises the driver, and workers forked afterwards cannot use the GPU (the
+    GPU check saw it). Asked through the driver API: ``cuDeviceGetCount`` fails with CUDA_ERROR_NOT_INITIALIZED until
+    ``cuInit`` ran, and initialises nothing itself."""
+    if torch.version.cuda is None:
+        return False
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int(0)
+    return int(driver.cuDeviceGetCount(ctypes.byref(count))) == CUDA_SUCCESS
 
 
 @contextmanager

@@ -209,10 +209,11 @@ class ShardedCopy(Generic[ModelT]):
                 value = weights[qualified].detach().to(flair.device)  # where this rank computes
                 replaced[id(current)] = torch.nn.Parameter(value, current.requires_grad)
             setattr(module, name, replaced[id(current)])
-        with torch.no_grad():
-            for name, buffer in self.caller_model.named_buffers():
-                if name in weights:
-                    buffer.copy_(weights[name])
+        for module_name, module in self.caller_model.named_modules():  # buffers too: a model built on the CPU
+            for name, buffer in list(module.named_buffers(recurse=False)):  # keeps e.g. BERT's token_type_ids there
+                qualified = f"{module_name}.{name}" if module_name else name
+                value = weights.get(qualified, buffer)
+                setattr(module, name, value.detach().to(flair.device))
         self.caller_model.train(self.working_model.training)
 
     def _whole_weights(self) -> dict[str, torch.Tensor]:

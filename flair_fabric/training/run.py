@@ -328,8 +328,7 @@ class TrainingRun:
     def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:
         """The loss all-reduced over the ranks; the same collective is where the ranks agree on stops, checkpoints
         and preemptions held since the last one (no extra collective per step)."""
-        count = torch.tensor(loss.data_points, device=self.fabric.device)
-        agreed = self.lockstep.agree(loss.loss_sum, count)
+        agreed = self.lockstep.agree(loss.loss_sum, float(loss.data_points))
         loss_sum, data_points = agreed.values
         return GlobalLoss.of(loss_sum, data_points), agreed
 

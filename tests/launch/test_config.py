@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,39 @@ def test_fork_after_cuda_was_initialised_is_refused(monkeypatch: pytest.MonkeyPa
         with pytest.raises(RuntimeError, match=r"cannot fork worker processes: CUDA is already initialised"):
             trainer.train(tmp_path, accelerator="cpu", devices=2, strategy=strategy)
     assert trainer.fabric is None
+
+
+def test_forking_gpu_workers_after_the_cuda_driver_was_initialised_is_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``import flair`` before flair_fabric initialises the CUDA driver (torch.cuda.is_initialized() stays False);
+    GPU workers forked afterwards fail (the GPU check saw it). CPU workers are not affected."""
+    monkeypatch.setattr(launch_module, "cuda_driver_initialized", lambda: True)
+    for strategy in ("ddp_fork", "ddp_notebook"):
+        resolved = launch_module.resolve_strategy(strategy, 2, "cuda", None, None)
+        with pytest.raises(RuntimeError, match=r"initialised the CUDA driver.*import flair_fabric before flair"):
+            launch_module.check_start_method(resolved, None, "cuda")
+        launch_module.check_start_method(launch_module.resolve_strategy(strategy, 2, "cpu", None, None), None, "cpu")
+    monkeypatch.setattr(launch_module, "cuda_driver_initialized", lambda: False)
+    launch_module.check_start_method(launch_module.resolve_strategy("ddp_fork", 2, "cuda", None, None), None, "cuda")
+
+
+def test_importing_flair_fabric_first_keeps_torch_from_initialising_the_cuda_driver() -> None:
+    """flair asks torch.cuda.is_available() when imported; flair_fabric sets the NVML-based check before that."""
+    code = (  # a spy on torch.cuda.is_available notes the variable at the moment flair asks
+        "import os, torch\n"
+        "asked = []\n"
+        "original = torch.cuda.is_available\n"
+        "def spy():\n"
+        "    asked.append(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))\n"
+        "    return original()\n"
+        "torch.cuda.is_available = spy\n"
+        "import flair_fabric\n"
+        "print(asked[0] if asked else 'never asked')\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    completed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert completed.stdout.split()[-1] == "1"
 
 
 TORCHRUN_ENV = {

@@ -13,7 +13,7 @@ from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.state.model_state import copy_model
-from flair_fabric.strategies.fsdp import shard_transformer_layers, transformer_layer_classes
+from flair_fabric.strategies.fsdp import ShardedCopy, shard_transformer_layers, transformer_layer_classes
 
 from ..support import (
     make_tiny_bert,
@@ -174,3 +174,23 @@ def test_the_copy_fsdp_shards_is_independent_of_the_callers_model(custom_decoder
     assert state_dict_difference(copy.state_dict(), model.state_dict()) == 0.0
     copied = {id(parameter) for parameter in copy.parameters()}
     assert not copied & {id(parameter) for parameter in model.parameters()}
+
+
+def test_the_gathered_model_has_every_parameter_and_buffer_where_the_rank_computes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model built on the CPU and trained on a GPU (the GPU check's strategy_fsdp_model_built_on_cpu): the caller's
+    model that evaluates must hold BERT's non-persistent buffers (token_type_ids, position_ids) on the rank's device
+    too, not only the parameters. ``meta`` stands in for the GPU on this CPU-only machine."""
+    import flair
+
+    corpus = small_trec(**CORPUS)
+    model = tiny_transformer_classifier(corpus, make_tiny_bert(tmp_path / "bert", corpus))
+    whole = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    non_persistent = {name for name, _ in model.named_buffers()} - set(whole)
+    assert non_persistent, "the tiny BERT should have non-persistent buffers"
+    copy = ShardedCopy(model)
+    monkeypatch.setattr(flair, "device", torch.device("meta"))
+    copy._fill(whole)
+    misplaced = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta]
+    assert misplaced == []
