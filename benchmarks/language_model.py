@@ -1,12 +1,14 @@
 """Characters per second of flair's LanguageModelTrainer against FabricLanguageModelTrainer, one invocation:
 
-    python benchmarks/language_model.py [--splits 2] [--out benchmarks/results]
+    python benchmarks/language_model.py [--splits 2] [--repeats 3] [--only KEY,...] [--out benchmarks/results]
 
 Each configuration trains the same forward character LSTM (256 units, 64 columns in all, sequence length 100) for
 one epoch on the same split files of the bundled Austen text, in a fresh process: flair's trainer with 2 torch
-threads; ours in 1 process with 2 threads and with 1; ours on 2 forked processes with 1 thread each. Only the training
-part is counted: the time spent in validation/test scoring and in flair's per-split ``generate_text`` is subtracted.
-Writes ``language_model.json`` and ``language_model.md`` into ``--out``.
+threads; ours in 1 process with 2 threads and with 1; ours on 2 forked processes with 1 thread each; the same at
+sequence length 250; and the bare training step (no trainer) in 1 and 2 processes, without and with DDP, to split the
+2-process cost into what the machine, DDP's all-reduce and the trainer each take. Only the training part is counted:
+the time spent in validation/test scoring and in flair's per-split ``generate_text`` is subtracted. Writes
+``language_model.json`` and ``language_model.md`` into ``--out``; ``--only KEY,...`` runs some configurations.
 """
 
 from __future__ import annotations
@@ -20,28 +22,70 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS, SEQUENCE_LENGTH, HIDDEN = 64, 100, 256
-CONFIGS = [  # name, trainer, processes, threads per process, columns per process, precision
-    ("flair, 1 process, 2 threads", "flair", 1, 2, COLUMNS, "32-true"),
-    ("flair-fabric, 1 process, 2 threads", "fabric", 1, 2, COLUMNS, "32-true"),
-    ("flair-fabric, 1 process, 1 thread", "fabric", 1, 1, COLUMNS, "32-true"),
-    ("flair-fabric, 2 processes, 1 thread each", "fabric", 2, 1, COLUMNS // 2, "32-true"),
-    ("flair-fabric, 1 process, 1 thread, one rank's share", "fabric", 1, 1, COLUMNS // 2, "32-true"),
-    ("flair-fabric, 2 processes, 1 thread each, 2x the columns", "fabric", 2, 1, COLUMNS, "32-true"),
-    ("flair-fabric, 2 processes, 1 thread each, bf16-mixed", "fabric", 2, 1, COLUMNS // 2, "bf16-mixed"),
-    ("bare loop, 1 process, 1 thread, one rank's share", "bare", 1, 1, COLUMNS // 2, "32-true"),
-    ("bare loop, 2 processes, 1 thread each, no communication", "bare", 2, 1, COLUMNS // 2, "32-true"),
+LONG_SEQUENCE = 250  # the sequence length of flair's tutorial and of the issue's example
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: the trainer (flair, fabric, or the bare loop without or with DDP), processes,
+    torch threads per process, columns per process, precision and sequence length."""
+
+    key: str
+    name: str
+    trainer: str
+    processes: int
+    threads: int
+    columns: int
+    precision: str = "32-true"
+    sequence_length: int = SEQUENCE_LENGTH
+
+
+HALF, BF16 = COLUMNS // 2, "bf16-mixed"
+CONFIGS = [
+    Config("flair", "flair, 1 process, 2 threads", "flair", 1, 2, COLUMNS),
+    Config("fabric_1p2t", "flair-fabric, 1 process, 2 threads", "fabric", 1, 2, COLUMNS),
+    Config("fabric_1p1t", "flair-fabric, 1 process, 1 thread", "fabric", 1, 1, COLUMNS),
+    Config("fabric_2p", "flair-fabric, 2 processes, 1 thread each", "fabric", 2, 1, HALF),
+    Config("fabric_1p1t_share", "flair-fabric, 1 process, 1 thread, one rank's share", "fabric", 1, 1, HALF),
+    Config("fabric_2p_2x", "flair-fabric, 2 processes, 1 thread each, 2x the columns", "fabric", 2, 1, COLUMNS),
+    Config("fabric_2p_bf16", "flair-fabric, 2 processes, 1 thread each, bf16-mixed", "fabric", 2, 1, HALF, BF16),
+    Config("bare_1p_share", "bare loop, 1 process, 1 thread, one rank's share", "bare", 1, 1, HALF),
+    Config("bare_2p", "bare loop, 2 processes, 1 thread each, no communication", "bare", 2, 1, HALF),
+    Config("bare_2p_ddp", "bare loop, 2 processes, 1 thread each, DDP", "bare-ddp", 2, 1, HALF),
+    Config(
+        "fabric_1p1t_long",
+        f"flair-fabric, 1 process, 1 thread, sequence length {LONG_SEQUENCE}",
+        "fabric",
+        1,
+        1,
+        COLUMNS,
+        sequence_length=LONG_SEQUENCE,
+    ),
+    Config(
+        "fabric_2p_long",
+        f"flair-fabric, 2 processes, 1 thread each, sequence length {LONG_SEQUENCE}",
+        "fabric",
+        2,
+        1,
+        HALF,
+        sequence_length=LONG_SEQUENCE,
+    ),
 ]
 """The bare loop: flair's training step (forward, loss, backward, clipping, SGD step) over this process's columns,
-nothing else: no trainer, no DDP, no scoring. Two concurrent bare loops show what two processes cost on this machine
-by themselves (shared caches and memory bandwidth)."""
+nothing else: no trainer, no scoring, and no DDP unless asked for. Two concurrent bare loops show what two processes
+cost on this machine by themselves (shared caches and memory bandwidth); with DDP (gloo, buckets as gradient views,
+as flair-fabric wraps a language model) what the gradient all-reduce adds."""
 
 
-def bare_loop(rank: int, processes: int, corpus_dir: Path, columns: int, port: int, out: Path) -> None:
+def bare_loop(
+    rank: int, processes: int, corpus_dir: Path, columns: int, port: int, out: Path, ddp: bool, sequence_length: int
+) -> None:
     """One process of the bare loop over the epoch's split files; rank 0 writes the seconds of the loop."""
     import torch
     from flair.data import Dictionary
@@ -59,6 +103,7 @@ def bare_loop(rank: int, processes: int, corpus_dir: Path, columns: int, port: i
     corpus = TextCorpus(corpus_dir, dictionary, forward=True, character_level=True)
     torch.manual_seed(1)
     model = LanguageModel(dictionary, is_forward_lm=True, hidden_size=HIDDEN, nlayers=1, embedding_size=64)
+    module = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if ddp else model
     optimizer = torch.optim.SGD(model.parameters(), lr=20.0)  # flair's LanguageModelTrainer default
     loss_function = torch.nn.CrossEntropyLoss()
     model.train()
@@ -69,11 +114,11 @@ def bare_loop(rank: int, processes: int, corpus_dir: Path, columns: int, port: i
         started = time.perf_counter()
         data = rank_columns(train_slice.flatten(), columns, rank, processes)
         hidden = model.init_hidden(columns)
-        for i in range(0, data.size(0) - 1, SEQUENCE_LENGTH):
-            inputs, targets = LanguageModelTrainer._get_batch(data, i, SEQUENCE_LENGTH)
+        for i in range(0, data.size(0) - 1, sequence_length):
+            inputs, targets = LanguageModelTrainer._get_batch(data, i, sequence_length)
             model.zero_grad()
             optimizer.zero_grad()
-            output, _, hidden = model(inputs, hidden)
+            output, _, hidden = module(inputs, hidden)
             loss = loss_function(output.view(-1, ntokens), targets)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
@@ -90,14 +135,13 @@ def bare_loop(rank: int, processes: int, corpus_dir: Path, columns: int, port: i
         (out / "rank0.json").write_text(json.dumps(seconds))
 
 
-def run_one(
-    corpus_dir: Path, trainer_name: str, processes: int, threads: int, columns: int, precision: str, out: Path
-) -> dict[str, float]:
+def run_one(corpus_dir: Path, config: Config, out: Path) -> dict[str, float]:
     """In this (fresh) process: train one epoch, return the seconds spent in all, in scoring and in generating (and
     in the training loop, for flair-fabric and the bare loop)."""
     import torch
 
-    if trainer_name == "bare":
+    trainer_name, processes, threads, columns = config.trainer, config.processes, config.threads, config.columns
+    if trainer_name.startswith("bare"):
         import socket
 
         import torch.multiprocessing
@@ -105,7 +149,9 @@ def run_one(
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = int(sock.getsockname()[1])
-        torch.multiprocessing.spawn(bare_loop, args=(processes, corpus_dir, columns, port, out), nprocs=processes)
+        ddp = trainer_name == "bare-ddp"
+        arguments = (processes, corpus_dir, columns, port, out, ddp, config.sequence_length)
+        torch.multiprocessing.spawn(bare_loop, args=arguments, nprocs=processes)
         return json.loads((out / "rank0.json").read_text())
     from flair.data import Dictionary
     from flair.models import LanguageModel
@@ -160,7 +206,7 @@ def run_one(
     torch.manual_seed(1)
     model = TimedModel(dictionary, is_forward_lm=True, hidden_size=HIDDEN, nlayers=1, embedding_size=64)
     options: dict[str, Any] = {
-        "sequence_length": SEQUENCE_LENGTH,
+        "sequence_length": config.sequence_length,
         "mini_batch_size": columns,
         "max_epochs": 1,
         "num_workers": 0,
@@ -171,7 +217,7 @@ def run_one(
         return {**spent, "total": time.perf_counter() - started}
     strategy = "ddp_fork" if processes > 1 else "auto"
     timed_class(model, corpus).train(
-        out / "run", accelerator="cpu", devices=processes, strategy=strategy, precision=precision, **options
+        out / "run", accelerator="cpu", devices=processes, strategy=strategy, precision=config.precision, **options
     )
     return json.loads((out / "rank0.json").read_text())
 
@@ -180,16 +226,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--splits", type=int, default=2, help="training split files used (of 16 cut from the text)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every configuration; medians are reported")
+    parser.add_argument("--only", help="comma-separated configuration keys (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
-    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    by_key = {config.key: config for config in CONFIGS}
     if args.worker:
-        corpus_dir, trainer_name, processes, threads, columns, precision, out = args.worker
-        result = run_one(
-            Path(corpus_dir), trainer_name, int(processes), int(threads), int(columns), precision, Path(out)
-        )
+        corpus_dir, key, out = args.worker
+        result = run_one(Path(corpus_dir), by_key[key], Path(out))
         (Path(out) / "result.json").write_text(json.dumps(result))
         return
+    wanted = [key.strip() for key in args.only.split(",")] if args.only else list(by_key)
+    unknown = sorted(set(wanted) - set(by_key))
+    if unknown:
+        parser.error(f"--only: unknown configuration(s) {', '.join(unknown)}; known: {', '.join(by_key)}")
+    configs = [config for config in CONFIGS if config.key in wanted]
 
     sys.path.insert(0, str(REPO / "examples" / "language_model"))
     from prepare_corpus import prepare_corpus
@@ -201,26 +252,29 @@ def main() -> None:
         for extra in sorted((corpus_dir / "train").iterdir())[args.splits :]:
             extra.unlink()
         characters = sum(sizes[f"train/train_split_{number}"] for number in range(1, args.splits + 1))
-        runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in CONFIGS}
+        runs: dict[str, list[dict[str, float]]] = {config.key: [] for config in configs}
         for repeat in range(args.repeats):  # rounds of every configuration: drift hits each alike
-            for name, trainer_name, processes, threads, columns, precision in CONFIGS:
-                out = Path(work) / f"{repeat}-{trainer_name}-{processes}-{threads}-{columns}-{precision}"
+            for config in configs:
+                out = Path(work) / f"{repeat}-{config.key}"
                 out.mkdir()
-                env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-                command = [sys.executable, __file__, "--worker", str(corpus_dir), trainer_name, str(processes)]
-                command += [str(threads), str(columns), precision, str(out)]
+                threads = str(config.threads)
+                env = {**os.environ, "OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+                command = [sys.executable, __file__, "--worker", str(corpus_dir), config.key, str(out)]
                 subprocess.run(command, env=env, check=True, capture_output=True)
                 seconds = json.loads((out / "result.json").read_text())
                 training = seconds["total"] - seconds["scoring"] - seconds["generating"]
-                runs[name].append({**seconds, "training": training})
-                print(f"{name}: {characters / training:,.0f} characters/s ({training:.1f} s training)", flush=True)
+                runs[config.key].append({**seconds, "training": training})
+                rate_now = f"{characters / training:,.0f} characters/s ({training:.1f} s training)"
+                print(f"{config.name}: {rate_now}", flush=True)
     rows = []
-    for name, measured in runs.items():
+    for config in configs:
+        measured = runs[config.key]
         training = statistics.median(run["training"] for run in measured)
         loop = statistics.median(run.get("loop", 0.0) for run in measured)
         rows.append(
             {
-                "configuration": name,
+                "key": config.key,
+                "configuration": config.name,
                 "runs": measured,
                 "training": training,
                 "chars_per_s": characters / training,
@@ -228,21 +282,28 @@ def main() -> None:
                 "loop_chars_per_s": characters / loop if loop else None,
             }
         )
-    rate = {row["configuration"]: row["chars_per_s"] for row in rows}
-    loop_rate = {row["configuration"]: row["loop_chars_per_s"] for row in rows if row["loop_chars_per_s"]}
-    summary = {
-        "fabric_1_process_vs_flair": rate[CONFIGS[1][0]] / rate[CONFIGS[0][0]],
-        "scaling_efficiency_2_processes": rate[CONFIGS[3][0]] / (2 * rate[CONFIGS[2][0]]),
-        "two_processes_vs_flair": rate[CONFIGS[3][0]] / rate[CONFIGS[0][0]],
+    rate = {row["key"]: row["chars_per_s"] for row in rows}
+    loop_rate = {row["key"]: row["loop_chars_per_s"] for row in rows if row["loop_chars_per_s"]}
+    ratios = {  # name: (numerator, denominator, factor of the denominator, rates)
+        "fabric_1_process_vs_flair": ("fabric_1p2t", "flair", 1, rate),
+        "scaling_efficiency_2_processes": ("fabric_2p", "fabric_1p1t", 2, rate),
+        "two_processes_vs_flair": ("fabric_2p", "flair", 1, rate),
         # the strong-scaling efficiency above, split into its two factors
-        "half_the_columns_per_character": rate[CONFIGS[4][0]] / rate[CONFIGS[2][0]],
-        "two_processes_vs_2x_one_ranks_share": rate[CONFIGS[3][0]] / (2 * rate[CONFIGS[4][0]]),
-        "scaling_efficiency_2_processes_same_columns_per_process": rate[CONFIGS[5][0]] / (2 * rate[CONFIGS[2][0]]),
-        "bf16_mixed_vs_32_true_2_processes": rate[CONFIGS[6][0]] / rate[CONFIGS[3][0]],
+        "half_the_columns_per_character": ("fabric_1p1t_share", "fabric_1p1t", 1, rate),
+        "two_processes_vs_2x_one_ranks_share": ("fabric_2p", "fabric_1p1t_share", 2, rate),
+        "scaling_efficiency_2_processes_same_columns_per_process": ("fabric_2p_2x", "fabric_1p1t", 2, rate),
+        "bf16_mixed_vs_32_true_2_processes": ("fabric_2p_bf16", "fabric_2p", 1, rate),
+        "scaling_efficiency_2_processes_long_sequences": ("fabric_2p_long", "fabric_1p1t_long", 2, rate),
         # the training loop alone (split ends, set-up and the waits at their collectives left out)
-        "loop_scaling_efficiency_2_processes": loop_rate[CONFIGS[3][0]] / (2 * loop_rate[CONFIGS[2][0]]),
-        "bare_two_processes_vs_2x_one": loop_rate[CONFIGS[8][0]] / (2 * loop_rate[CONFIGS[7][0]]),
-        "trainer_loop_vs_bare_loop_2_processes": loop_rate[CONFIGS[3][0]] / loop_rate[CONFIGS[8][0]],
+        "loop_scaling_efficiency_2_processes": ("fabric_2p", "fabric_1p1t", 2, loop_rate),
+        "bare_two_processes_vs_2x_one": ("bare_2p", "bare_1p_share", 2, loop_rate),
+        "bare_ddp_vs_bare_no_communication": ("bare_2p_ddp", "bare_2p", 1, loop_rate),
+        "trainer_loop_vs_bare_ddp_loop_2_processes": ("fabric_2p", "bare_2p_ddp", 1, loop_rate),
+    }
+    summary = {
+        name: rates[top] / (factor * rates[bottom])
+        for name, (top, bottom, factor, rates) in ratios.items()
+        if top in rates and bottom in rates
     }
     machine = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
     report = {"started": started_at, "machine": machine, "characters": characters, "rows": rows, **summary}
@@ -253,7 +314,9 @@ def main() -> None:
         "",
         f"{started_at}, {machine}. One epoch over {args.splits} split files ({characters:,} characters) of the Austen"
         f" text; LSTM {HIDDEN} units, {COLUMNS} columns in all unless the row says otherwise, sequence length"
-        f" {SEQUENCE_LENGTH}. Scoring and generated sample text are subtracted. Medians of {args.repeats} rounds.",
+        f" {SEQUENCE_LENGTH} unless the row says otherwise. Scoring and generated sample text are subtracted. Medians"
+        f" of {args.repeats} rounds. The loop alone: the time inside the splits' step loops on global rank 0 (no"
+        " set-up, no split ends, none of the waits for the other rank's scoring).",
         "",
         "| configuration | training s | characters/s | loop alone s | characters/s in the loop |",
         "|---|---|---|---|---|",
@@ -263,32 +326,17 @@ def main() -> None:
             for r in rows
         ],
         "",
-        f"flair-fabric on 1 process / flair: **{summary['fabric_1_process_vs_flair']:.3f}**; 2 processes / flair:"
-        f" **{summary['two_processes_vs_flair']:.3f}**; 2-process scaling efficiency (against 2x one process with"
-        f" one thread): **{summary['scaling_efficiency_2_processes']:.3f}**.",
-        "",
-        f"That efficiency is the product of two factors: one process with one rank's share ({COLUMNS // 2} columns)"
-        f" trains **{summary['half_the_columns_per_character']:.3f}** as many characters per second as with"
-        f" {COLUMNS} (smaller matrices per step), and 2 processes train **"
-        f"{summary['two_processes_vs_2x_one_ranks_share']:.3f}** of twice that one-share rate (what running two"
-        " processes costs: waiting for each other, communication, shared memory bandwidth). With mini_batch_size"
-        f" kept per process ({COLUMNS} columns each, {2 * COLUMNS} in all), 2 processes reach **"
-        f"{summary['scaling_efficiency_2_processes_same_columns_per_process']:.3f}** of twice one process.",
-        "",
-        f"bf16-mixed on 2 processes trains **{summary['bf16_mixed_vs_32_true_2_processes']:.3f}** as fast as 32-true"
-        " (on a CPU without bfloat16 instructions the LSTM runs in float32 without oneDNN; see"
-        " docs/language-model.md).",
-        "",
-        "The training loop alone (the time inside the splits' step loops on global rank 0: no set-up, no split ends"
-        " and none of the waits at their collectives for the other rank's scoring and sample text): 2-process scaling"
-        f" efficiency **{summary['loop_scaling_efficiency_2_processes']:.3f}**. Two bare loops (flair's step without"
-        " a trainer and without communication) run concurrently at"
-        f" **{summary['bare_two_processes_vs_2x_one']:.3f}** of twice one bare loop on one rank's share: what two"
-        " processes cost on this machine by themselves. flair-fabric's 2-process loop trains"
-        f" **{summary['trainer_loop_vs_bare_loop_2_processes']:.3f}** as fast as the two bare loops.",
+        "| ratio | value | what it is |",
+        "|---|---|---|",
+        *[
+            f"| {name} | **{summary[name]:.3f}** | {top} / {'2 x ' if factor == 2 else ''}{bottom}"
+            f"{' (loop alone)' if rates is loop_rate else ''} |"
+            for name, (top, bottom, factor, rates) in ratios.items()
+            if name in summary
+        ],
     ]
     (args.out / "language_model.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-1:]))
+    print("\n".join(lines[-len(summary) - 2 :]))
 
 
 if __name__ == "__main__":
