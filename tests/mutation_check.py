@@ -766,6 +766,36 @@ MUTATIONS = [
         ],
         ["tests/launch/test_mpi_detection.py"],
     ),
+    Mutation(
+        "FSDP's gathered model leaves buffers where the model was built",
+        "the evaluating model holds every tensor on the rank's device (a model built on the CPU, trained on a GPU)",
+        [
+            (
+                "flair_fabric/strategies/fsdp.py",
+                "                setattr(module, name, value.detach().to(flair.device))\n",
+                "                if qualified in weights:\n                    buffer.data.copy_(value)\n",
+            )
+        ],
+        ["tests/strategies/test_fsdp.py", "-k", "gathered_model"],
+    ),
+    Mutation(
+        "ddp_fork on the GPU after the CUDA driver was initialised",
+        "forking GPU workers is refused when they cannot use the GPU, with the fix in the message",
+        [
+            (
+                "flair_fabric/launch/config.py",
+                'if strategy.start_method == "fork" and accelerator == "cuda" and cuda_driver_initialized():',
+                'if strategy.start_method == "fork" and accelerator == "cuda" and cuda_is_initialized():',
+            )
+        ],
+        ["tests/launch/test_config.py", "-k", "driver"],
+    ),
+    Mutation(
+        "flair imported before the NVML-based CUDA check is set",
+        "importing flair_fabric first keeps the CUDA driver uninitialised (ddp_fork works in a notebook)",
+        [("flair_fabric/__init__.py", 'os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")\n', "")],
+        ["tests/launch/test_config.py", "-k", "flair_fabric_first"],
+    ),
 ]
 
 
