@@ -197,9 +197,16 @@ def state_dict_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     return max((a[key].float() - b[key].float()).abs().max().item() for key in a)
 
 
-def run_script(script: str, *args: str, timeout: int = 420, launcher: list[str] | None = None) -> str:
+def run_script(
+    script: str,
+    *args: str,
+    timeout: int = 420,
+    launcher: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> str:
     """Run ``tests/scripts/<script>`` in a fresh interpreter (the way a user runs a training script)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.update(extra_env or {})
     env.pop("LOCAL_RANK", None)
     command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)

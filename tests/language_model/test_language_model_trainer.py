@@ -4,6 +4,7 @@ A tiny character LSTM on a few kB of Persuasion: seconds per run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -196,3 +197,14 @@ def test_bf16_mixed_trains_on_two_cpu_processes(
     assert _relative_difference(reference, model) <= 0.1 * trained_by
     validation = [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(tmp_path)[:-1]]
     assert validation[-1] < validation[0]
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_trains_on_two_processes_of_a_cpu_without_bfloat16_instructions(tmp_path: Path) -> None:
+    """oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``) has no bfloat16 LSTM, as on CPUs without AVX512-BF16/AMX,
+    whatever this CPU has: the LSTM must run without oneDNN, and training still ends close to float32."""
+    run_script("language_model_bf16.py", str(tmp_path), extra_env={"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["onednn_bf16"] is False
+    assert result["bf16_from_float32"] <= 0.1 * result["trained_by"]
+    assert result["validation_perplexities"][-1] < result["validation_perplexities"][0]

@@ -1,0 +1,60 @@
+"""`python language_model_bf16.py OUT`: train the tiny character LM in float32 on one process (4 columns), then with
+bf16-mixed on 2 forked processes (2 columns each), and write OUT/result.json: whether oneDNN reports bfloat16
+support, how far bf16 ends from float32 relative to how far training moved the weights, and the validation
+perplexities. Run with ONEDNN_MAX_CPU_ISA=AVX2 it behaves as on a CPU without bfloat16 instructions, whatever the
+CPU has (oneDNN reads the variable once, when it starts: hence a fresh interpreter)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from flair_fabric import FabricLanguageModelTrainer
+from tests.language_model.lm_support import (
+    LM_OPTIONS,
+    copy_model,
+    seeded,
+    summaries,
+    tiny_corpus,
+    tiny_language_model,
+)
+
+
+def _largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    first, second = a.state_dict(), b.state_dict()
+    return max(float((first[key].float() - second[key].float()).abs().max()) for key in first)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    corpus = tiny_corpus(out / "corpus")
+    reference = tiny_language_model(corpus)
+    untrained = copy_model(reference)
+    seeded()
+    FabricLanguageModelTrainer(reference, corpus).train(
+        out / "float32", mini_batch_size=4, devices=1, accelerator="cpu", **LM_OPTIONS
+    )
+    model = tiny_language_model(corpus)
+    seeded()
+    FabricLanguageModelTrainer(model, corpus).train(
+        out / "bf16",
+        mini_batch_size=2,
+        devices=2,
+        strategy="ddp_fork",
+        accelerator="cpu",
+        precision="bf16-mixed",
+        **LM_OPTIONS,
+    )
+    validation = [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(out / "bf16")[:-1]]
+    result = {
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "bf16_from_float32": _largest_difference(reference, model),
+        "trained_by": _largest_difference(untrained, reference),
+        "validation_perplexities": validation,
+    }
+    (out / "result.json").write_text(json.dumps(result))
