@@ -119,12 +119,13 @@ def cuda_driver_initialized() -> bool:
     """Whether this process has initialised the CUDA driver (``cuInit``), which ``torch.cuda.is_initialized()`` does
     not tell: without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, ``torch.cuda.is_available()`` (``import flair`` asks it)
     calls cudaGetDeviceCount, which initialises the driver, and workers forked afterwards cannot use the GPU (the
-    GPU check saw it). Asked through the driver API: ``cuDeviceGetCount`` fails with CUDA_ERROR_NOT_INITIALIZED until
-    ``cuInit`` ran, and initialises nothing itself."""
-    if torch.version.cuda is None:
+    GPU check saw it). Asked through the driver API, without loading or initialising anything: a driver library not
+    yet loaded into this process (``RTLD_NOLOAD``) was not initialised, and ``cuDeviceGetCount`` fails with
+    CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` ran."""
+    if torch.version.cuda is None or not hasattr(os, "RTLD_NOLOAD"):
         return False
     try:
-        driver = ctypes.CDLL("libcuda.so.1")
+        driver = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
     except OSError:
         return False
     count = ctypes.c_int(0)
