@@ -28,6 +28,8 @@ CPU_CHECKS = {
     "strategy_lightning_fsdp_object",
     "strategy_fsdp",
     "strategy_ddp_2_processes",
+    "language_model_parity",
+    "language_model_bf16_mixed",
 }
 
 
