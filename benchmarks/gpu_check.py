@@ -1666,7 +1666,7 @@ def language_model_corpus(ctx: Context) -> Any:
     from flair.data import Dictionary
     from flair.trainers.language_model_trainer import TextCorpus
 
-    sys.path.insert(0, str(REPO / "examples" / "language_model"))
+    examples_on_path()
     from prepare_corpus import austen_dir, prepare_corpus
 
     folder = ctx.work / "lm-corpus"
@@ -1678,6 +1678,23 @@ def language_model_corpus(ctx: Context) -> Any:
                 path.write_text(path.read_text(encoding="utf-8")[:size], encoding="utf-8")
             (folder / "test.txt").write_text((folder / "valid.txt").read_text(encoding="utf-8"), encoding="utf-8")
     return TextCorpus(folder, Dictionary.load_from_file(folder / "chars.pkl"), forward=True, character_level=True)
+
+
+def examples_on_path() -> None:
+    """examples/language_model (prepare_corpus, demo_lm) importable, once."""
+    folder = str(REPO / "examples" / "language_model")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
+def seed_language_model_run() -> None:
+    """The generators flair's LanguageModelTrainer draws from (the split order, the line shuffles), seeded alike."""
+    import random
+
+    import torch
+
+    random.seed(LM_SEED)
+    torch.manual_seed(LM_SEED)
 
 
 def language_model(ctx: Context, corpus: Any) -> Any:
@@ -1698,10 +1715,7 @@ def validation_perplexities(run: Path) -> list[float]:
 def check_language_model_parity(ctx: Context) -> dict:
     """flair's LanguageModelTrainer and FabricLanguageModelTrainer(devices=1) from the same seed: validation
     perplexities and final weights."""
-    import random
-
     import flair
-    import torch
     from flair.trainers.language_model_trainer import LanguageModelTrainer
 
     from flair_fabric import FabricLanguageModelTrainer
@@ -1711,9 +1725,9 @@ def check_language_model_parity(ctx: Context) -> dict:
     flair.device = ctx.device
     corpus = language_model_corpus(ctx)
     theirs, ours = language_model(ctx, corpus), language_model(ctx, corpus)
-    random.seed(LM_SEED), torch.manual_seed(LM_SEED)
+    seed_language_model_run()
     LanguageModelTrainer(theirs, corpus).train(ctx.work / "lm-flair", **LM_OPTIONS)
-    random.seed(LM_SEED), torch.manual_seed(LM_SEED)
+    seed_language_model_run()
     FabricLanguageModelTrainer(ours, corpus).train(
         ctx.work / "lm-fabric", accelerator=ctx.accelerator, devices=1, **LM_OPTIONS
     )
@@ -1735,8 +1749,6 @@ def check_language_model_parity(ctx: Context) -> dict:
 def check_language_model_precision(ctx: Context, precision: str) -> dict:
     """FabricLanguageModelTrainer(devices=1) under ``precision``: the validation perplexity falls, the weights stay
     finite, best-lm.pt loads with flair."""
-    import random
-
     import flair
     import torch
     from flair.models import LanguageModel
@@ -1747,8 +1759,12 @@ def check_language_model_precision(ctx: Context, precision: str) -> dict:
     flair.device = ctx.device
     corpus = language_model_corpus(ctx)
     model = language_model(ctx, corpus)
-    random.seed(LM_SEED), torch.manual_seed(LM_SEED)
-    untrained = validation_perplexity_of(model, corpus)
+    examples_on_path()
+    from demo_lm import validation_perplexity  # flair's own evaluate, one process
+
+    columns, length = int(LM_OPTIONS["mini_batch_size"]), int(LM_OPTIONS["sequence_length"])
+    untrained = validation_perplexity(model, corpus, columns, length)
+    seed_language_model_run()
     with peak_memory(ctx) as memory:
         FabricLanguageModelTrainer(model, corpus).train(
             ctx.work / f"lm-{precision}", accelerator=ctx.accelerator, devices=1, precision=precision, **LM_OPTIONS
@@ -1762,15 +1778,6 @@ def check_language_model_precision(ctx: Context, precision: str) -> dict:
         " best-lm.pt loads with LanguageModel.load_language_model"
     )
     return result(name, PASSED if ok else FAILED, text, untrained=untrained, trained=trained, **memory)
-
-
-def validation_perplexity_of(model: Any, corpus: Any) -> float:
-    """flair's validation perplexity of ``model`` on ``valid.txt`` (one process, flair's own evaluate)."""
-    from flair.trainers.language_model_trainer import LanguageModelTrainer
-
-    trainer = LanguageModelTrainer(model, corpus)
-    columns, length = int(LM_OPTIONS["mini_batch_size"]), int(LM_OPTIONS["sequence_length"])
-    return math.exp(trainer.evaluate(trainer._batchify(corpus.valid, columns), columns, length))
 
 
 def unit_language_model(ctx: Context) -> Iterator[dict]:

@@ -78,3 +78,8 @@ def copy_model(model: LanguageModel) -> LanguageModel:
 def summaries(run: Path) -> list[str]:
     """The lines of ``loss.txt`` without their timings."""
     return [re.sub(r"time: +[0-9.]+s \| ", "", line) for line in (run / "loss.txt").read_text().splitlines()]
+
+
+def validation_perplexities(run: Path) -> list[float]:
+    """The validation perplexity of every line of ``loss.txt`` but the last (the test line)."""
+    return [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(run)[:-1]]

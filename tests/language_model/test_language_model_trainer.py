@@ -20,7 +20,15 @@ from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorp
 from flair_fabric import FabricLanguageModelTrainer
 
 from ..support import run_script, small_wnut, state_dict_difference
-from .lm_support import LM_OPTIONS, copy_model, seeded, summaries, tiny_corpus, tiny_language_model
+from .lm_support import (
+    LM_OPTIONS,
+    copy_model,
+    seeded,
+    summaries,
+    tiny_corpus,
+    tiny_language_model,
+    validation_perplexities,
+)
 
 
 def _relative_difference(a: LanguageModel, b: LanguageModel) -> float:
@@ -195,7 +203,7 @@ def test_bf16_mixed_trains_on_two_cpu_processes(
     )
     trained_by = _relative_difference(untrained, reference)
     assert _relative_difference(reference, model) <= 0.1 * trained_by
-    validation = [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(tmp_path)[:-1]]
+    validation = validation_perplexities(tmp_path)
     assert validation[-1] < validation[0]
 
 

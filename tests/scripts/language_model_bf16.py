@@ -19,16 +19,11 @@ from tests.language_model.lm_support import (
     LM_OPTIONS,
     copy_model,
     seeded,
-    summaries,
     tiny_corpus,
     tiny_language_model,
+    validation_perplexities,
 )
-
-
-def _largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    first, second = a.state_dict(), b.state_dict()
-    return max(float((first[key].float() - second[key].float()).abs().max()) for key in first)
-
+from tests.support import state_dict_difference
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
@@ -50,11 +45,10 @@ if __name__ == "__main__":
         precision="bf16-mixed",
         **LM_OPTIONS,
     )
-    validation = [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(out / "bf16")[:-1]]
     result = {
         "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-        "bf16_from_float32": _largest_difference(reference, model),
-        "trained_by": _largest_difference(untrained, reference),
-        "validation_perplexities": validation,
+        "bf16_from_float32": state_dict_difference(reference.state_dict(), model.state_dict()),
+        "trained_by": state_dict_difference(untrained.state_dict(), reference.state_dict()),
+        "validation_perplexities": validation_perplexities(out / "bf16"),
     }
     (out / "result.json").write_text(json.dumps(result))
