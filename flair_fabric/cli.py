@@ -1,9 +1,8 @@
-"""``python -m flair_fabric predict|evaluate``: a thin command line over :func:`flair_fabric.predict` and
-:func:`flair_fabric.evaluate`.
+"""``python -m flair_fabric predict|evaluate``: a thin command line over ``flair_fabric.predict`` and
+``flair_fabric.evaluate``.
 
-    python -m flair_fabric predict --model out/best-model.pt --input big.conll --input-format conll \\
-           --output big.pred.conll --devices 4 --mini-batch-size 64
-    python -m flair_fabric evaluate --model out/best-model.pt --input test.conll --gold-label-type ner --devices 4
+The options are parsed before torch, flair and Lightning are imported, so ``--help`` and argument errors answer at
+once; the process options come from :class:`~flair_fabric.launch.arguments.LightningArguments`.
 """
 
 from __future__ import annotations
@@ -13,42 +12,62 @@ import json
 import pickle
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-import flair
-from flair.datasets import ColumnDataset
+from flair_fabric import __version__
+from flair_fabric.launch.arguments import LightningArguments
+from flair_fabric.prediction import INPUT_FORMATS, OUTPUT_FORMATS
 
-import flair_fabric
-from flair_fabric.prediction.formats import INPUT_FORMATS, OUTPUT_FORMATS
+DESCRIPTION = """Predict with or evaluate a trained flair model, split across processes.
+
+examples:
+  python -m flair_fabric predict --model out/best-model.pt --input big.conll --input-format conll
+         --output big.pred.conll --devices 4 --mini-batch-size 64
+  python -m flair_fabric evaluate --model out/best-model.pt --input test.conll --gold-label-type ner --devices 4
+"""
 
 
-def load_model(path: str) -> flair.nn.Model:
+def load_model(path: str) -> Any:
     """The flair model saved in ``path``, or a clear error (missing file, not a flair model)."""
     file = Path(path)
     if not file.is_file():
         raise SystemExit(f"--model {path}: no such file; pass a model saved by flair (e.g. out/best-model.pt).")
+    import flair
+
     try:
         return flair.nn.Model.load(file)
     except (pickle.UnpicklingError, RuntimeError, KeyError, ValueError, EOFError, AttributeError) as error:
         raise SystemExit(f"--model {path}: not a flair model file ({type(error).__name__}: {error}).") from None
 
 
-def _launch_options(parser: argparse.ArgumentParser) -> None:
+def _number_or_text(value: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            continue
+    return value
+
+
+def _lightning_options(parser: argparse.ArgumentParser) -> None:
+    """One option per Lightning argument (``--num-nodes`` for ``num_nodes``), default ``None``: not given."""
     group = parser.add_argument_group("processes (Lightning's arguments)")
-    group.add_argument("--accelerator", default="auto", help="auto, cpu, cuda, gpu or mps (default: auto)")
-    group.add_argument("--devices", default="auto", help="devices (processes) per machine (default: auto)")
-    group.add_argument("--num-nodes", type=int, default=1, help="machines (default: 1)")
-    group.add_argument("--strategy", default="auto", help="auto, ddp, ddp_spawn, ddp_fork (default: auto)")
+    for each in fields(LightningArguments):
+        default = "default: 32-true" if each.name == "precision" else f"default: {each.default}"
+        shown = each.metadata["cli"] + ("" if "default" in each.metadata["cli"] else f" ({default})")
+        option_type = int if each.name == "num_nodes" else _number_or_text
+        group.add_argument(f"--{each.name.replace('_', '-')}", type=option_type, default=None, help=shown)
     parser.add_argument("--mini-batch-size", type=int, default=32, help="data points per batch (default: 32)")
 
 
-def _devices(value: str) -> int | str:
-    return int(value) if value.lstrip("-").isdigit() else value
-
-
 def parser() -> argparse.ArgumentParser:
-    main = argparse.ArgumentParser(prog="python -m flair_fabric", description=__doc__.split("\n\n")[0])
-    main.add_argument("--version", action="version", version=f"flair-fabric {flair_fabric.__version__}")
+    """The command line's parser (it imports nothing heavy)."""
+    main = argparse.ArgumentParser(
+        prog="python -m flair_fabric", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    main.add_argument("--version", action="version", version=f"flair-fabric {__version__}")
     commands = main.add_subparsers(dest="command", required=True)
 
     predict = commands.add_parser("predict", help="label a file with a trained model, split across processes")
@@ -61,8 +80,7 @@ def parser() -> argparse.ArgumentParser:
     predict.add_argument("--label-name", default=None, help="the label name to write (default: the model's)")
     predict.add_argument("--chunk-size", type=int, default=None, help="records read at a time")
     predict.add_argument("--all-probabilities", action="store_true", help="scores of every class (classifiers)")
-    predict.add_argument("--precision", default=None, help="a Fabric precision, e.g. bf16-mixed (default: 32-true)")
-    _launch_options(predict)
+    _lightning_options(predict)
 
     evaluate = commands.add_parser("evaluate", help="score a trained model on a labelled CoNLL file")
     evaluate.add_argument("--model", required=True, help="a model file saved by flair")
@@ -71,22 +89,20 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--column", type=int, default=1, help="the column of the gold labels (default: 1)")
     evaluate.add_argument("--output", default=None, help="flair's prediction file (optional)")
     evaluate.add_argument("--json", action="store_true", help="print the scores as JSON")
-    _launch_options(evaluate)
+    _lightning_options(evaluate)
     return main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
     args = parser().parse_args(argv)
     if not Path(args.input).is_file():
         raise SystemExit(f"--input {args.input}: no such file.")
+    import flair_fabric  # here, after the arguments are known to be usable: torch, flair and Lightning load now
+
     model = load_model(args.model)
-    launch = {
-        "accelerator": args.accelerator,
-        "devices": _devices(args.devices),
-        "num_nodes": args.num_nodes,
-        "strategy": args.strategy,
-        "mini_batch_size": args.mini_batch_size,
-    }
+    given = {each.name: getattr(args, each.name) for each in fields(LightningArguments)}
+    launch = {name: value for name, value in given.items() if value is not None}
     try:
         if args.command == "predict":
             summary = flair_fabric.predict(
@@ -99,17 +115,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chunk_size=args.chunk_size,
                 label_name=args.label_name,
                 return_probabilities_for_all_classes=args.all_probabilities,
-                precision=args.precision,
+                mini_batch_size=args.mini_batch_size,
                 **launch,
             )
             print(f"{summary.predicted} predicted, {len(summary.skipped)} skipped, {summary.per_second:.1f}/s")
             for line, problem in summary.skipped:
                 print(f"{args.input}:{line}: skipped ({problem})", file=sys.stderr)
             return 0
+        from flair.datasets import ColumnDataset
+
         data = ColumnDataset(Path(args.input), {0: "text", args.column: args.gold_label_type})
         if len(data) == 0:
             raise SystemExit(f"--input {args.input}: no sentences in it.")
-        result = flair_fabric.evaluate(model, data, args.gold_label_type, out_path=args.output, **launch)
+        result = flair_fabric.evaluate(
+            model,
+            data,
+            args.gold_label_type,
+            out_path=args.output,
+            mini_batch_size=args.mini_batch_size,
+            **launch,
+        )
     except ValueError as error:
         raise SystemExit(str(error)) from None
     scores = {

@@ -1,6 +1,8 @@
-"""Test-wide settings and the shared two-rank training runs."""
+"""Test-wide settings, the shared two-rank training runs, and the mutation check's hooks."""
 
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,47 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = write_config(out / "config.json", {"out": str(out), "runs": runs})
     run_script("ddp_runs.py", str(config))
     return out
+
+
+# --- the mutation check (tests/mutation_check.py) -------------------------------------------------------------------
+# FLAIR_FABRIC_VERDICT=<file>: the first test that fails on an assertion or an expected error (pytest.raises that did
+# not raise, pytest.fail) ends the session and is written to <file>; other failures (a crash in the mutated code, a
+# collection error) do not count and the session goes on. A timeout counts only with FLAIR_FABRIC_HANG_COUNTS=1.
+# FLAIR_FABRIC_TESTS_FIRST=<id>,<id>: run these tests (node ids or their prefixes) first, the rest in their order.
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = [prefix for prefix in os.environ.get("FLAIR_FABRIC_TESTS_FIRST", "").split(",") if prefix]
+    if first:
+        rank = {
+            id(item): min((i for i, p in enumerate(first) if item.nodeid.startswith(p)), default=len(first))
+            for item in items
+        }
+        items.sort(key=lambda item: rank[id(item)])  # stable: the rest keep their order
+
+
+def _counts(excinfo: pytest.ExceptionInfo) -> str | None:
+    """What kind of failure this is, if it counts as catching a deliberate bug."""
+    message = str(excinfo.value)
+    if excinfo.errisinstance(pytest.fail.Exception):
+        if message.startswith("Timeout"):
+            return "timeout" if os.environ.get("FLAIR_FABRIC_HANG_COUNTS") == "1" else None
+        return "expected error"  # DID NOT RAISE, pytest.fail
+    if excinfo.errisinstance(AssertionError):
+        return "assertion"
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    verdict = os.environ.get("FLAIR_FABRIC_VERDICT")
+    report = outcome.get_result()
+    if not verdict or not report.failed or call.excinfo is None:
+        return
+    kind = _counts(call.excinfo) if report.when == "call" else None
+    record = {"test": item.nodeid, "kind": kind, "message": (str(call.excinfo.value).splitlines() or [""])[0][:300]}
+    with open(verdict, "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
+    if kind is not None:
+        item.session.shouldstop = f"caught by {item.nodeid} ({kind})"

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from flair.data import Corpus
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings, TransformerDocumentEmbeddings
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers.plugins import BasePlugin, Pluggable, TrainerPlugin
+from lightning.fabric.connector import _PRECISION_INPUT
 
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE, trec_corpus, wnut16_corpus
 
@@ -33,6 +35,8 @@ ANNEALED = {
     "devices": 2,
 }
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FABRIC_PRECISIONS = [value for choices in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(choices)]
+"""Every spelling Fabric's ``precision`` takes (``"bf16-mixed"``, ``"64"``, ``32``, ``"transformer-engine"``, ...)."""
 
 
 def small_trec(train_size: int = 48, dev_size: int = 12, test_size: int = 12, seed: int = 3) -> Corpus:

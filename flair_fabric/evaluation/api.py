@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
 from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
-from flair_fabric.evaluation.sharded import PREDICTED, evaluate_across_ranks
+from flair_fabric.evaluation.sharded import PREDICTED, evaluate_across_ranks, ready_for_inference
 from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.launch.workers import run_on_every_rank, starts_workers
 
@@ -35,9 +36,8 @@ class _EvaluationJob:
 
 
 def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> tuple[Result, list[list[RecordedLabel]] | None]:
-    job.model.to(fabric.device)
-    job.model.eval()
-    result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
+    with ready_for_inference(fabric, job.model):
+        result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
     predictions = None
     if job.return_predictions and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
         try:
@@ -57,6 +57,8 @@ def evaluate(
     devices: DevicesArgument = "auto",
     num_nodes: int = 1,
     strategy: StrategyArgument = "auto",
+    precision: str | int | None = None,
+    collective_timeout: float | timedelta | None = None,
     **evaluate_kwargs: Any,
 ) -> Result:
     """``model.evaluate(data_points, gold_label_type, ...)`` with the prediction split across processes.
@@ -69,14 +71,22 @@ def evaluate(
     least ``devices`` batches to keep every process busy.
     """
     config = make_launch_config(
-        accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy, precision=None, use_amp=False
+        accelerator=accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,
+        use_amp=False,
+        collective_timeout=collective_timeout,
     )
     data = data_points if isinstance(data_points, Dataset) else FlairDatapointDataset(data_points)
     fabric = build_fabric(config)
     path = Path(out_path) if out_path is not None else None
     kwargs = {"gold_label_type": gold_label_type, **evaluate_kwargs}
     job = _EvaluationJob(model, data, path, kwargs, return_predictions=starts_workers(fabric))
-    result, predictions = run_on_every_rank(fabric, _evaluate_on_rank, job, result_types=[Result, RecordedLabel])
+    result, predictions = run_on_every_rank(
+        fabric, _evaluate_on_rank, job, config.collective_timeout, result_types=[Result, RecordedLabel]
+    )
     for index, labels in enumerate(predictions or []):  # workers predicted on copies: label the caller's data too
         data_point = data[index]
         data_point.remove_labels(PREDICTED)

@@ -218,6 +218,26 @@ def _without_progress_bars() -> Iterator[None]:
             sys.stderr.write("\n".join(kept) + "\n")
 
 
+@contextlib.contextmanager
+def ready_for_inference(fabric: Fabric, model: flair.nn.Model) -> Iterator[None]:
+    """Inside the block ``model`` is on the rank's device, in the run's precision ("-true" precisions convert it;
+    mixed ones run under ``fabric.autocast()``) and in eval mode: for ``flair_fabric.predict`` and
+    ``flair_fabric.evaluate``. Afterwards its parameters and buffers have their own dtypes again (in one process the
+    model is the caller's)."""
+    model.to(fabric.device)  # flair.device is the rank's device already (the launch path sets it)
+    tensors = [*model.parameters(), *model.buffers()]
+    dtypes = [tensor.dtype for tensor in tensors]
+    fabric.strategy.precision.convert_module(model)
+    model.eval()
+    try:
+        with fabric.autocast():
+            yield
+    finally:
+        for tensor, dtype in zip(tensors, dtypes, strict=True):
+            if tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+
+
 def evaluate_across_ranks(
     fabric: Fabric,
     model: flair.nn.Model,

@@ -45,6 +45,11 @@ class TrainedLanguageModel:
     training: bool
 
 
+TRAINABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+"""Fabric precisions a LanguageModel trains in: the ones that leave its parameters as they are (every "-true"
+precision but 32-true converts the whole model)."""
+
+
 class FabricLanguageModelTrainer(LanguageModelTrainer):
     """flair's :class:`~flair.trainers.language_model_trainer.LanguageModelTrainer` on one or many devices.
 
@@ -98,10 +103,11 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
                 f"strategy={strategy!r}: FabricLanguageModelTrainer trains with DDP ('ddp', 'ddp_spawn', 'ddp_fork',"
                 " 'ddp_notebook' or 'auto'); a character language model fits on every device."
             )
-        if launch.precision in ("bf16-true", "16-true"):
+        if launch.precision not in TRAINABLE_PRECISIONS:
             raise ValueError(
-                f"precision={precision!r}: flair's LanguageModel cannot be cast whole to half precision (its _apply"
-                " returns None, so .to(dtype) gives None); pass precision='bf16-mixed' (or '16-mixed' on a GPU)."
+                f"precision={precision!r} ({launch.precision}) casts the whole model, which flair's LanguageModel"
+                " cannot be (its _apply returns None, so .to(dtype) gives None): pass precision='32-true',"
+                " 'bf16-mixed' or, on a GPU, '16-mixed'."
             )
         base = Path(base_path)
         check_writable_folder(base)

@@ -181,6 +181,11 @@ def resolve_precision(precision: str | int | None, use_amp: bool, accelerator: s
         log.info(f"use_amp=True: training with Fabric precision '{precision}' on {accelerator}.")
     if precision is None:
         return "32-true"
+    if str(precision).startswith("transformer-engine"):
+        raise ValueError(
+            f"precision={precision!r} is not supported by flair-fabric: Transformer Engine replaces the model's layers,"
+            " which flair's models were never trained or saved with; use precision='bf16-mixed' (or '16-mixed')."
+        )
     try:  # Fabric's connector resolves the aliases and refuses what the accelerator cannot do
         with warnings.catch_warnings(), _lightning_quiet():
             warnings.simplefilter("ignore")  # Lightning's note that an alias was translated

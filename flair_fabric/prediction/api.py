@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 from typing import Any, cast
@@ -19,10 +20,11 @@ from flair.file_utils import Tqdm
 from lightning.fabric import Fabric
 
 from flair_fabric.evaluation.predictions import RecordedLabel
+from flair_fabric.evaluation.sharded import ready_for_inference
 from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
 from flair_fabric.launch.workers import run_on_every_rank, starts_workers
+from flair_fabric.prediction import INPUT_FORMATS
 from flair_fabric.prediction.formats import (
-    INPUT_FORMATS,
     WRITERS,
     Record,
     check_format,
@@ -83,15 +85,8 @@ class _PredictionJob:
     return_labels: bool  # the ranks are workers: rank 0's labels come back for the caller's data points
 
 
-def _prepare(fabric: Fabric, model: flair.nn.Model) -> None:
-    model.to(fabric.device)  # flair.device is the rank's device already (the launch path sets it)
-    fabric.strategy.precision.convert_module(model)  # "-true" precisions; mixed ones run under autocast below
-    model.eval()
-
-
 def _predict_on_rank(fabric: Fabric, job: _PredictionJob) -> Any:
-    _prepare(fabric, job.model)
-    with fabric.autocast():
+    with ready_for_inference(fabric, job.model):
         if isinstance(job.data, _Stream):
             return _predict_stream(fabric, job.model, job.data, job.predict_kwargs)
         try:
@@ -193,6 +188,7 @@ def predict(
     num_nodes: int = 1,
     strategy: StrategyArgument = "auto",
     precision: str | int | None = None,
+    collective_timeout: float | timedelta | None = None,
 ) -> Any:
     """``model.predict`` with the batches split across processes.
 
@@ -217,6 +213,7 @@ def predict(
         strategy=strategy,
         precision=precision,
         use_amp=False,
+        collective_timeout=collective_timeout,
     )
     kwargs = {
         "mini_batch_size": mini_batch_size,
@@ -234,10 +231,14 @@ def predict(
             Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config, shows_bar
         )
         job = _PredictionJob(model, stream, kwargs, return_labels=False)
-        return run_on_every_rank(fabric, _predict_on_rank, job, result_types=[PredictionSummary])
+        return run_on_every_rank(
+            fabric, _predict_on_rank, job, config.collective_timeout, result_types=[PredictionSummary]
+        )
     data_points = [data] if isinstance(data, DataPoint) else list(data)
     job = _PredictionJob(model, data_points, kwargs, return_labels=workers)
-    predicted = run_on_every_rank(fabric, _predict_on_rank, job, result_types=[Predicted, RecordedLabel, NotSplit])
+    predicted = run_on_every_rank(
+        fabric, _predict_on_rank, job, config.collective_timeout, result_types=[Predicted, RecordedLabel, NotSplit]
+    )
     if isinstance(predicted, NotSplit):  # as flair_fabric.evaluate: not split, never wrong
         log.warning(f"predicting in this process only: {predicted.reason}")
         return cast(Any, model).predict(data_points, **kwargs)
@@ -245,7 +246,7 @@ def predict(
         predicted = Predicted.from_json(predicted)
     if workers:  # they predicted copies: label the caller's data points
         _put_labels(data_points, predicted)
-    if return_loss:  # as flair's predict: the summed loss and the number of labels
+    if return_loss and data_points:  # as flair's predict: the summed loss and the number of labels
         loss_sum, count = predicted.loss
         return torch.tensor(loss_sum, device=flair.device), count
     return data

@@ -17,8 +17,8 @@ from typing import IO, Any
 from flair.data import Relation, Sentence, Span, Token
 from flair.tokenization import Tokenizer
 
-INPUT_FORMATS = ("text", "conll")
-OUTPUT_FORMATS = ("jsonl", "conll")
+from flair_fabric.prediction import OUTPUT_FORMATS
+
 MAX_CHARACTERS = 100_000
 
 

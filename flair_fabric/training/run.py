@@ -38,7 +38,14 @@ from flair_fabric.training.sampling import (
     shared_seed,
     steps_per_epoch,
 )
-from flair_fabric.training.setup import attach_plugins, base_path_ready, log_setup, make_optimizer, training_data
+from flair_fabric.training.setup import (
+    attach_plugins,
+    base_path_ready,
+    clear_stored_embeddings,
+    log_setup,
+    make_optimizer,
+    training_data,
+)
 from flair_fabric.training.step import train_step
 
 if TYPE_CHECKING:
@@ -75,6 +82,9 @@ class TrainingRun:
         trainer = self.trainer
         with contextlib.ExitStack() as context_stack:
             trainer.context_stack = context_stack
+            if self.arguments.launch.precision != "32-true":  # embeddings stored in another dtype, before and after
+                clear_stored_embeddings(trainer.corpus)
+                context_stack.callback(clear_stored_embeddings, trainer.corpus)
             parameters = self.set_up()
             trainer.dispatch("after_setup", **parameters)
             log_setup(

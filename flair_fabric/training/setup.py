@@ -169,6 +169,17 @@ def log_setup(
     log_line(log)
 
 
+def clear_stored_embeddings(corpus: Corpus) -> None:
+    """Drop the embeddings flair stored on the corpus' data points (``embeddings_storage_mode``).
+
+    A run in another precision than ``32-true`` stores them in its own dtype, and a later run on the same corpus
+    (another precision, another model) would read them back and fail (``mat1 and mat2 must have the same dtype``);
+    stored float32 embeddings would fail a ``"-true"`` run the same way."""
+    for split in (corpus.train, corpus.dev, corpus.test):  # by index: a DataLoader would draw a random seed
+        for index in range(_len_dataset(split) if split is not None else 0):
+            split[index].clear_embeddings()  # type: ignore[index]
+
+
 def base_path_ready(base_path: Path) -> Path:
     """The output folder, created if needed."""
     base_path.mkdir(exist_ok=True, parents=True)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from flair.data import Sentence
 from flair.embeddings import FlairEmbeddings
 from flair.models import LanguageModel, SequenceTagger
 from flair.trainers import ModelTrainer
@@ -19,7 +21,7 @@ from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorp
 
 from flair_fabric import FabricLanguageModelTrainer
 
-from ..support import run_script, small_wnut, state_dict_difference
+from ..support import FABRIC_PRECISIONS, run_script, small_wnut, state_dict_difference
 from .lm_support import (
     LM_OPTIONS,
     copy_model,
@@ -101,7 +103,7 @@ def test_the_script_relaunch_ends_with_the_same_weights_on_every_rank(
 def test_the_trained_model_serves_as_flair_embeddings_for_a_tagger(
     one_process_4_columns: tuple[LanguageModel, Path], tmp_path: Path
 ) -> None:
-    _, run = one_process_4_columns
+    model, run = one_process_4_columns
     embeddings = FlairEmbeddings(str(run / "best-lm.pt"))
     ner = small_wnut(tmp_path / "wnut")
     tagger = SequenceTagger(
@@ -110,9 +112,20 @@ def test_the_trained_model_serves_as_flair_embeddings_for_a_tagger(
         tag_dictionary=ner.make_label_dictionary("ner", add_unk=False),
         tag_type="ner",
     )
-    result = ModelTrainer(tagger, ner).train(tmp_path / "tagger", max_epochs=1, mini_batch_size=8)
-    assert result["test_score"] >= 0.0 and (tmp_path / "tagger" / "final-model.pt").is_file()
+    sentence = Sentence("Anne Elliot walked to Uppercross .")
+    embeddings.embed(sentence)
+    from_file = torch.stack([token.get_embedding() for token in sentence])
+    trained = FlairEmbeddings(copy_model(model))  # the model object the run trained, not a file
+    sentence.clear_embeddings()
+    trained.embed(sentence)
+    assert torch.equal(from_file, torch.stack([token.get_embedding() for token in sentence])), "best-lm.pt is it"
     assert embeddings.embedding_length == 24
+    ModelTrainer(tagger, ner).train(tmp_path / "tagger", max_epochs=2, mini_batch_size=8, learning_rate=0.5)
+    header, *rows = [line.split("\t") for line in (tmp_path / "tagger" / "loss.tsv").read_text().splitlines()]
+    losses = [float(row[header.index("TRAIN_LOSS")]) for row in rows]
+    assert len(losses) == 2 and losses[1] < losses[0], "the tagger learns on top of the trained embeddings"
+    reloaded = SequenceTagger.load(tmp_path / "tagger" / "final-model.pt")
+    assert isinstance(reloaded.embeddings, FlairEmbeddings)
 
 
 class _KilledAtValidation(FabricLanguageModelTrainer):
@@ -156,7 +169,8 @@ BAD = [
     ({"mini_batch_size": 400, "devices": 2}, r"validation split \(valid.txt\) has \d+ characters: with"),
     ({"strategy": "fsdp", "devices": 2}, r"strategy='fsdp': FabricLanguageModelTrainer trains with DDP"),
     ({"resume_from": "/nonexistent/run"}, r"resume_from='/nonexistent/run': no lm-checkpoint.pt there"),
-    ({"precision": "bf16-true"}, r"precision='bf16-true': flair's LanguageModel cannot be cast whole"),
+    ({"precision": "bf16-true"}, r"precision='bf16-true' \(bf16-true\) casts the whole model, which flair's Lang"),
+    ({"precision": 64}, r"precision=64 \(64-true\) casts the whole model.*pass precision='32-true', 'bf16-mixed'"),
 ]
 
 
@@ -216,3 +230,51 @@ def test_bf16_mixed_trains_on_two_processes_of_a_cpu_without_bfloat16_instructio
     assert result["onednn_bf16"] is False
     assert result["bf16_from_float32"] <= 0.1 * result["trained_by"]
     assert result["validation_perplexities"][-1] < result["validation_perplexities"][0]
+
+
+@pytest.mark.parametrize("precision", FABRIC_PRECISIONS)
+def test_every_precision_name_trains_or_is_refused_before_anything_starts(
+    corpus: TextCorpus, tmp_path: Path, precision: Any
+) -> None:
+    """32-true and bf16-mixed (every spelling) train; precisions that convert the whole model, CUDA-only ones on a
+    CPU and Transformer Engine's are refused before anything is written, the precision named in the error."""
+    model = tiny_language_model(corpus)
+    options = {**LM_OPTIONS, "max_epochs": 1, "mini_batch_size": 2, "accelerator": "cpu", "devices": 1}
+    if str(precision) in ("32", "32-true", "bf16", "bf16-mixed"):
+        FabricLanguageModelTrainer(model, corpus).train(tmp_path / "run", precision=precision, **options)
+        assert len(summaries(tmp_path / "run")) == 4, "3 splits and the test line"
+        assert all(torch.isfinite(parameter).all() for parameter in model.parameters())
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"precision={precision!r}")):
+            FabricLanguageModelTrainer(model, corpus).train(tmp_path / "run", precision=precision, **options)
+        assert not (tmp_path / "run").exists()
+
+
+class _FailingSecondSave(LanguageModel):
+    """A language model whose second ``save`` writes half a file and fails (a full disk, a killed process)."""
+
+    saves = 0
+
+    def save(self, file: Any, **kwargs: Any) -> None:
+        type(self).saves += 1
+        if type(self).saves == 2:
+            Path(file).write_bytes(b"half a model")
+            raise OSError("No space left on device")
+        super().save(file, **kwargs)
+
+
+def test_best_lm_pt_is_replaced_only_by_a_complete_file(corpus: TextCorpus, tmp_path: Path) -> None:
+    """best-lm.pt (and the run's other files) are written through a temporary file and a rename: a save that fails
+    half-way leaves the previous best-lm.pt loadable and no temporary file behind."""
+    model = tiny_language_model(corpus)
+    model.__class__ = _FailingSecondSave
+    options = {**LM_OPTIONS, "mini_batch_size": 2, "accelerator": "cpu", "devices": 1, "learning_rate": 20.0}
+    seeded()
+    with pytest.raises(OSError, match="No space left"):
+        FabricLanguageModelTrainer(model, corpus).train(tmp_path, **options)
+    assert _FailingSecondSave.saves == 2, "the second split was the best so far again"
+    try:
+        LanguageModel.load_language_model(tmp_path / "best-lm.pt")  # the first split's, whole
+    except Exception as error:
+        pytest.fail(f"best-lm.pt was left half-written by the failed save: {error!r}")
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".")) == []

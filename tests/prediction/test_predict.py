@@ -17,18 +17,29 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from flair.data import DataPoint, Label, Relation, Sentence
 from flair.datasets import ColumnCorpus, ColumnDataset
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
 
 import flair_fabric
+from flair_fabric import cli
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_questions
 from flair_fabric.evaluation.predictions import record_labels
+from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.prediction.sharding import Predicted, label_names_of
 
 from ..model_zoo import ZOO, points_of
-from ..support import REPO, run_script, small_trec, small_wnut, tiny_sequence_tagger, tiny_text_classifier
+from ..support import (
+    FABRIC_PRECISIONS,
+    REPO,
+    run_script,
+    small_trec,
+    small_wnut,
+    tiny_sequence_tagger,
+    tiny_text_classifier,
+)
 
 FORK = {"accelerator": "cpu", "strategy": "ddp_fork"}
 TWO_FORKED = ("--devices", "2", "--strategy", "ddp_fork", "--accelerator", "cpu")
@@ -122,14 +133,21 @@ def test_labels_cross_to_the_caller_as_json_unchanged_or_as_objects_when_they_ca
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("size", "devices", "strategy"), [(0, 2, "ddp_fork"), (1, 3, "ddp_fork"), (7, 3, "ddp_spawn")])
 def test_uneven_sizes_on_2_and_3_ranks_spawned_or_forked(size: int, devices: int, strategy: str) -> None:
+    """Labels, and with ``return_loss=True`` flair's loss sum and label count over every rank's batches."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
-    data = [Sentence(sentence.to_original_text()) for sentence in list(corpus.test)[:size]]
+    data = [copy.deepcopy(sentence) for sentence in list(corpus.test)[:size]]  # with their gold labels
     reference = copy.deepcopy(data)
-    model.predict(reference, mini_batch_size=2)
-    flair_fabric.predict(model, data, devices=devices, accelerator="cpu", strategy=strategy, mini_batch_size=2)
-    if size:
-        _assert_same_labels(data, reference, [TREC_LABEL_TYPE])
+    options = {"mini_batch_size": 2, "label_name": "predicted", "return_loss": True}
+    expected = model.predict(reference, **options)
+    returned = flair_fabric.predict(model, data, devices=devices, accelerator="cpu", strategy=strategy, **options)
+    if not size:
+        assert returned == expected == [], "flair returns an empty input as it is"
+        return
+    (loss, count), (expected_loss, expected_count) = returned, expected
+    assert count == expected_count == size
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6, abs=1e-9)
+    _assert_same_labels(data, reference, ["predicted"])
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +357,60 @@ def test_every_rank_of_a_relaunched_script_gets_flairs_labels_on_its_own_sentenc
     for rank in (0, 1):
         result = json.loads((tmp_path / f"labels-{rank}.json").read_text())
         assert result["ours"] == result["flair"] and all(result["ours"]), f"rank {rank}"
+
+
+def test_the_command_line_passes_its_options_on_to_predict(trained_classifier: Path, tmp_path: Path) -> None:
+    """--all-probabilities, --label-name and --mini-batch-size reach flair's predict: the file holds what flair's
+    predict puts on the sentences with those arguments (one process, in this process)."""
+    source = _question_file(tmp_path / "questions.txt", 12)
+    out = tmp_path / "out.jsonl"
+    options = ["--all-probabilities", "--label-name", "guess", "--mini-batch-size", "5"]
+    files = ["--model", str(trained_classifier), "--input", str(source), "--output", str(out)]
+    code = cli.main(["predict", *files, *options, "--devices", "1", "--accelerator", "cpu"])
+    assert code == 0
+    model = TextClassifier.load(trained_classifier)
+    reference = [Sentence(line) for line in source.read_text().splitlines()]
+    model.predict(reference, mini_batch_size=5, label_name="guess", return_probabilities_for_all_classes=True)
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = [
+        [(label.value, round(label.score, 5)) for label in sentence.get_labels("guess")] for sentence in reference
+    ]
+    assert [[(label["value"], round(label["score"], 5)) for label in row["labels"]] for row in written] == expected
+    assert all(len(labels) == len(model.label_dictionary) > 1 for labels in expected), "a score for every class"
+    assert {label["type"] for row in written for label in row["labels"]} == {"guess"}
+
+
+def test_the_command_line_answers_help_without_loading_torch_flair_or_lightning() -> None:
+    """``python -m flair_fabric ... --help`` (and an argument error) is answered before the heavy imports; the help
+    is plain text and offers every Lightning argument."""
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['flair_fabric', *sys.argv[1:]]\n"
+        "try:\n    runpy.run_module('flair_fabric', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print('loaded:', sorted(name for name in ('torch', 'flair', 'lightning') if name in sys.modules))\n"
+    )
+    for arguments in (["--help"], ["predict", "--help"], ["evaluate", "--help"], ["predict", "--devices"]):
+        completed = subprocess.run(
+            [sys.executable, "-c", probe, *arguments], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
+        assert completed.stdout.strip().splitlines()[-1] == "loaded: []", (arguments, completed.stderr[-2000:])
+        shown = completed.stdout + completed.stderr
+        assert "``" not in shown and ":func:" not in shown and ":mod:" not in shown, shown
+        if arguments[-1] == "--help" and arguments[0] != "--help":
+            for name in LightningArguments.names():
+                assert f"--{name.replace('_', '-')}" in shown, name
+
+
+@pytest.mark.parametrize("precision", FABRIC_PRECISIONS)
+def test_every_precision_name_predicts_or_is_refused_and_the_callers_model_keeps_its_dtype(precision: Any) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    sentences = [Sentence(sentence.to_original_text()) for sentence in list(corpus.test)[:6]]
+    if str(precision) in ("16", "16-mixed", "16-true") or str(precision).startswith("transformer-engine"):
+        with pytest.raises(ValueError, match=re.escape(f"precision={precision!r}")):
+            flair_fabric.predict(model, sentences, devices=1, accelerator="cpu", precision=precision)
+        return
+    flair_fabric.predict(model, sentences, devices=1, accelerator="cpu", precision=precision, mini_batch_size=4)
+    assert all(sentence.get_labels(TREC_LABEL_TYPE) for sentence in sentences)
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}, "the caller's model is as it was"
