@@ -142,13 +142,10 @@ def run_one(corpus_dir: Path, config: Config, out: Path) -> dict[str, float]:
 
     trainer_name, processes, threads, columns = config.trainer, config.processes, config.threads, config.columns
     if trainer_name.startswith("bare"):
-        import socket
-
         import torch.multiprocessing
+        from common import free_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
+        port = free_port()
         ddp = trainer_name == "bare-ddp"
         arguments = (processes, corpus_dir, columns, port, out, ddp, config.sequence_length)
         torch.multiprocessing.spawn(bare_loop, args=arguments, nprocs=processes)
@@ -180,8 +177,8 @@ def run_one(corpus_dir: Path, config: Config, out: Path) -> dict[str, float]:
     base_class: Any = LanguageModelTrainer if trainer_name == "flair" else FabricLanguageModelTrainer
     timed_class = type("Timed", (base_class,), {"evaluate": timed_evaluate})
     if trainer_name == "fabric":
+        from flair_fabric.language_model import job as language_model_job
         from flair_fabric.language_model.loop import LanguageModelRun
-        from flair_fabric.language_model.recurrent_kernels import recurrent_kernels
 
         spent["loop"] = 0.0
 
@@ -193,14 +190,13 @@ def run_one(corpus_dir: Path, config: Config, out: Path) -> dict[str, float]:
                 finally:
                     spent["loop"] += time.perf_counter() - started
 
-        def train_on_rank(self: Any, fabric: Any, arguments: Any) -> None:
-            started = time.perf_counter()
-            with recurrent_kernels(fabric):  # as FabricLanguageModelTrainer.train_on_rank, with the loop timed
-                TimedRun(self, fabric, arguments).run()
-            if fabric.is_global_zero:
-                (out / "rank0.json").write_text(json.dumps({**spent, "total": time.perf_counter() - started}))
+            def run(self) -> None:  # the whole rank's run, as the trainer's job runs it (inside recurrent_kernels)
+                started = time.perf_counter()
+                super().run()
+                if self.fabric.is_global_zero:
+                    (out / "rank0.json").write_text(json.dumps({**spent, "total": time.perf_counter() - started}))
 
-        timed_class.train_on_rank = train_on_rank
+        language_model_job.LanguageModelRun = TimedRun  # type: ignore[misc]  # the job builds the run (forked too)
     dictionary = Dictionary.load_from_file(corpus_dir / "chars.pkl")
     corpus = TextCorpus(corpus_dir, dictionary, forward=True, character_level=True)
     torch.manual_seed(1)

@@ -21,7 +21,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,14 +31,14 @@ import common
 import flair
 import preemption_worker
 import torch
-from common import EpochTimer, Workload, build_model, quiet_flair, run_flair_style, train_only_corpus
+from common import EpochTimer, Workload, build_model, free_port, quiet_flair, run_flair_style, train_only_corpus
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 
 import flair_fabric
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_corpus
-from flair_fabric.distributed.sharded_state import held_bytes
+from flair_fabric.strategies.sharded_state import held_bytes
 
 VARIANTS = (
     "auto",
@@ -319,12 +318,6 @@ def _native_run(workload: Workload, base_path: str) -> dict[str, list[float]]:
     timer = EpochTimer()
     run_flair_style(ModelTrainer(model, corpus), workload, timer, base_path, multi_gpu=True)
     return timings(timer)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def native(args: argparse.Namespace) -> None:

@@ -1,18 +1,17 @@
 """``FabricTrainer``: flair's ``ModelTrainer`` with its training loop run by Lightning Fabric.
 
 ``train``, ``fine_tune`` and ``train_custom`` take flair's arguments unchanged plus Lightning's and flair-fabric's
-(:data:`~flair_fabric.training.arguments.ADDED_PARAMETERS`). ``train_custom`` binds them into one frozen record,
-checks everything before any process starts, builds a Fabric and starts the processes through the one launch path
-(:func:`~flair_fabric.launch.workers.run_on_every_rank`); on each rank a
-:class:`~flair_fabric.training.run.TrainingRun` runs flair's loop. This class keeps flair's signatures, the rank
-properties plugins read, and flair's override points.
+(:data:`~flair_fabric.training.arguments.ADDED_PARAMETERS`, declared once in
+:class:`~flair_fabric.launch.arguments.LightningArguments` and :class:`~flair_fabric.training.arguments.
+TrainingOptions`). ``train_custom`` binds them into frozen records, checks everything before any process starts and
+hands one :class:`~flair_fabric.training.job.TrainingJob` to the job runner (:func:`~flair_fabric.launch.runner.
+run_job`); on each rank a :class:`~flair_fabric.training.run.TrainingRun` runs flair's loop. This class keeps flair's
+signatures, the rank properties plugins read, and flair's override points.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +20,18 @@ from flair.data import Corpus, _len_dataset
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import ReduceTransformerVocabPlugin, TrainingInterrupt
 from lightning.fabric import Fabric
-from torch.multiprocessing import ProcessExitedException
 from torch.utils.data import Subset
 
 from flair_fabric.distributed.lockstep import DEFERRED_EVENTS
-from flair_fabric.distributed.stalls import explain_timeouts
-from flair_fabric.launch.config import build_fabric, make_launch_config
+from flair_fabric.launch.config import make_launch_config
 from flair_fabric.launch.environment import restarted_by_torchrun
-from flair_fabric.launch.workers import run_on_every_rank, starts_workers
-from flair_fabric.state.model_files import check_writable_folder, load_from_global_zero, save_on_global_zero
-from flair_fabric.state.policy import REQUEUE_EXIT_CODE, CheckpointPolicy
+from flair_fabric.launch.runner import run_job
+from flair_fabric.state.model_files import check_writable_folder
+from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.strategies import training_strategy
-from flair_fabric.training.arguments import FlairArguments, TrainArguments, with_flair_signature
-from flair_fabric.training.checkpointing import Preempted
-from flair_fabric.training.in_workers import TrainedInWorker, WorkerJob, take_final_model_written_since, train_in_worker
+from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
+from flair_fabric.training.job import TrainingJob
 from flair_fabric.training.progress_bar import show_progress_bar
 from flair_fabric.training.run import TrainingRun
 from flair_fabric.training.setup import sample_on_global_zero
@@ -93,13 +89,12 @@ class FabricTrainer(ModelTrainer):
     def save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
         """Write the model being trained once, from global rank 0 (a sharded model is consolidated first)."""
         assert self._run is not None, "save_model is for use during a run"
-        self._run.position.at(f"saving {Path(model_file).name}")
-        save_on_global_zero(self._run.fabric, self.model, model_file, checkpoint)
+        self._run.save_model(model_file, checkpoint)
 
     def load_model(self, model_file: str | Path) -> bool:
         """Load ``model_file`` (read on global rank 0) into the model on every rank; whether the file existed."""
         assert self._run is not None, "load_model is for use during a run"
-        return load_from_global_zero(self._run.fabric, self.model, model_file)
+        return self._run.load_model(model_file)
 
     # --- flair's public entry points ----------------------------------------------------------------------------
 
@@ -112,53 +107,28 @@ class FabricTrainer(ModelTrainer):
         return super().fine_tune(base_path, *args, **kwargs)
 
     @with_flair_signature(ModelTrainer.train_custom)
-    def train_custom(
-        self,
-        base_path: Any,
-        *args: Any,
-        accelerator: str = "auto",
-        devices: Any = "auto",
-        num_nodes: int = 1,
-        strategy: Any = "auto",
-        precision: str | int | None = None,
-        progress_bar: bool | None = None,
-        checkpoint_every_n_epochs: int = 0,
-        checkpoint_every_n_steps: int | None = None,
-        checkpoint_every_n_minutes: float | None = None,
-        keep_checkpoints: int = 1,
-        requeue_signal: Any = signal.SIGUSR1,
-        resume_from: str | Path | None = None,
-        collective_timeout: Any = None,
-        balance_batches: bool = True,
-        **kwargs: Any,
-    ) -> dict:
-        flair_arguments = FlairArguments.bind(self, base_path, *args, **kwargs)
-        if not isinstance(balance_batches, bool):
+    def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
+        lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
+        flair_arguments = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
+        if not isinstance(options.balance_batches, bool):
             raise ValueError(
-                f"balance_batches={balance_batches!r} is not valid: pass True (each step dealt by length) or False"
-                " (strided shards)."
+                f"balance_batches={options.balance_batches!r} is not valid: pass True (each step dealt by length) or"
+                " False (strided shards)."
             )
         if flair_arguments.multi_gpu:
             raise ValueError(
                 "multi_gpu=True is flair's own multi-GPU mode; FabricTrainer starts the processes itself:"
                 " pass devices=N (and strategy=...) instead of multi_gpu=True."
             )
-        launch = make_launch_config(
-            accelerator=accelerator,
-            devices=devices,
-            num_nodes=num_nodes,
-            strategy=strategy,
-            precision=precision,
-            use_amp=flair_arguments.use_amp,
-            collective_timeout=collective_timeout,
-        )
+        launch = make_launch_config(**lightning.as_dict(), use_amp=flair_arguments.use_amp)
         checkpoints = CheckpointPolicy.checked(
-            every_n_epochs=checkpoint_every_n_epochs,
-            every_n_steps=checkpoint_every_n_steps,
-            every_n_minutes=checkpoint_every_n_minutes,
-            keep=keep_checkpoints,
-            requeue_signal=requeue_signal,
+            every_n_epochs=options.checkpoint_every_n_epochs,
+            every_n_steps=options.checkpoint_every_n_steps,
+            every_n_minutes=options.checkpoint_every_n_minutes,
+            keep=options.keep_checkpoints,
+            requeue_signal=options.requeue_signal,
         )
+        resume_from = options.resume_from
         if resume_from is None and restarted_by_torchrun():
             resume_from = "auto"  # an elastic restart continues from the last checkpoint
         resume_folder, start_epoch = checkpoint_to_resume(
@@ -167,34 +137,16 @@ class FabricTrainer(ModelTrainer):
         arguments = TrainArguments(
             flair=flair_arguments,
             launch=launch,
-            progress_bar=show_progress_bar(progress_bar, is_global_zero=True),
+            progress_bar=show_progress_bar(options.progress_bar, is_global_zero=True),
             checkpoints=checkpoints,
             resume_folder=resume_folder,
             start_epoch=start_epoch,
-            balance_batches=balance_batches,
+            balance_batches=options.balance_batches,
         )
-        fabric = build_fabric(launch)
-        self._check_run(arguments, fabric)
-        preemption = checkpoints.requeue_signal
-        if not starts_workers(fabric):
-            return run_on_every_rank(fabric, self.train_on_rank, arguments, launch.collective_timeout, preemption)
-        # spawned or forked workers train copies: the caller's model then becomes what rank 0's model is at the end
-        job = WorkerJob(type(self), self.model, self.corpus, arguments)
-        started = time.time()
-        try:
-            trained = run_on_every_rank(
-                fabric, train_in_worker, job, launch.collective_timeout, preemption, result_types=[TrainedInWorker]
-            )
-        except KeyboardInterrupt:
-            take_final_model_written_since(self.model, flair_arguments.base_path, started)
-            raise
-        except ProcessExitedException as exited:
-            if exited.exit_code == REQUEUE_EXIT_CODE:  # the workers were preempted and wrote their checkpoint
-                raise SystemExit(REQUEUE_EXIT_CODE) from None
-            raise
-        return trained.hand_to(self.model)
+        self._check_run(arguments)
+        return run_job(TrainingJob(self, arguments), launch)
 
-    def _check_run(self, arguments: TrainArguments, fabric: Fabric) -> None:
+    def _check_run(self, arguments: TrainArguments) -> None:
         """Refuse, before any process starts, what cannot train."""
         a = arguments.flair
         if self.corpus.train is None:
@@ -206,7 +158,7 @@ class FabricTrainer(ModelTrainer):
         reduces_vocabulary = a.reduce_transformer_vocab or any(
             isinstance(plugin, ReduceTransformerVocabPlugin) for plugin in a.plugins or []
         )
-        training_strategy(fabric.strategy).check_run(
+        training_strategy(arguments.launch.strategy).check_run(
             reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=a.mini_batch_chunk_size
         )
         if size < arguments.launch.world_size:
@@ -215,17 +167,9 @@ class FabricTrainer(ModelTrainer):
                 " needs at least one; use fewer devices or more training data."
             )
 
-    def train_on_rank(self, fabric: Fabric, arguments: TrainArguments) -> dict:
-        """flair's ``train_custom`` on one rank (called by the launch path); every rank returns rank 0's values."""
-        self._fabric = fabric
-        self._run = run = TrainingRun(self, fabric, arguments)
-        try:
-            with explain_timeouts(fabric, run.position, arguments.collective_timeout):
-                return run.run()
-        except Preempted as preempted:
-            raise SystemExit(run.checkpointing.requeue(str(preempted))) from None
-        finally:
-            self._run = None
+    def attach_run(self, fabric: Fabric, run: TrainingRun | None) -> None:
+        """The run this trainer is in on this rank (``None`` after it); its Fabric stays for the rank properties."""
+        self._fabric, self._run = fabric, run
 
     # --- flair's override points --------------------------------------------------------------------------------
 

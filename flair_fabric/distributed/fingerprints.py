@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-import flair
 import torch
 import torch.distributed
 from flair.data import Corpus, DataPoint, Dictionary, _len_dataset
@@ -55,7 +55,7 @@ def _dictionaries(model: torch.nn.Module) -> Iterable[tuple[str, Dictionary]]:
                 yield f"{module_name}.{attribute}", value
 
 
-def model_fingerprint(model: flair.nn.Model) -> dict[str, str]:
+def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
     """A fingerprint of ``model``'s structure and of its dictionaries (not of its weights)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     structure = _crc(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}" for name, tensor in tensors)
@@ -65,21 +65,33 @@ def model_fingerprint(model: flair.nn.Model) -> dict[str, str]:
     return fingerprint
 
 
-def check_ranks_agree(fabric: Fabric, corpus: Corpus, model: flair.nn.Model) -> None:
-    """Refuse to train when the ranks hold different corpora or differently built models.
+def text_corpus_fingerprint(corpus: Any) -> dict[str, str]:
+    """A fingerprint of a language-model ``TextCorpus``: its character dictionary, the names and sizes of its split
+    files, and the sizes of its validation and test text (their content may differ: flair flips the case of random
+    lines when it reads them)."""
+    files = sorted(Path(name) for name in corpus.train.files)
+    return {
+        "dictionary": _crc(str(item) for item in corpus.dictionary.get_items()),
+        "train": _crc(f"{path.name}:{path.stat().st_size}" for path in files),
+        "valid, test": f"{len(corpus.valid)}:{len(corpus.test)}",
+    }
+
+
+def check_ranks_agree(fabric: Fabric, fingerprints: dict[str, dict[str, str]]) -> None:
+    """Refuse to train when the ranks hold different data or differently built models: ``fingerprints`` (e.g.
+    ``{"corpus": corpus_fingerprint(corpus), "model": model_fingerprint(model)}``) must equal global rank 0's.
 
     Every rank compares its fingerprints with global rank 0's (one ``all_gather_object``) and every rank raises the
     same error, so no rank is left waiting.
     """
     if fabric.world_size == 1:
         return
-    mine = {"corpus": corpus_fingerprint(corpus), "model": model_fingerprint(model)}
     every: list[Any] = [None] * fabric.world_size
-    torch.distributed.all_gather_object(every, mine)
+    torch.distributed.all_gather_object(every, fingerprints)
     problems = [
         f"rank {rank}'s {kind} differs from rank 0's in {', '.join(differing)}"
         for rank, theirs in enumerate(every)
-        for kind in ("corpus", "model")
+        for kind in fingerprints
         if (differing := differences(every[0][kind], theirs[kind]))
     ]
     if problems:

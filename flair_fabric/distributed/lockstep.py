@@ -8,8 +8,8 @@ that happens there anyway; and after each epoch-level event (``before_training_e
 ``after_evaluation``). If any rank stopped, every rank raises ``TrainingInterrupt`` there, with the message of the
 first rank that stopped. A signal (Ctrl-C, SIGTERM) received by any rank is agreed on the same way and makes every
 rank raise ``KeyboardInterrupt``, which flair handles by saving the final model. No collective is added to the
-training step (on this 2-core machine one gloo all-reduce costs about 1 ms, several percent of a small model's
-step).
+training step (one gloo all-reduce between 2 CPU processes costs about 1 ms, several percent of a small model's
+step). The language-model trainer agrees the same way at its log points and split ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from flair.trainers.plugins import TrainingInterrupt
 from lightning.fabric import Fabric
 
-from flair_fabric.training.loss import accumulator_dtype
+from flair_fabric.distributed.collectives import accumulator_dtype
+from flair_fabric.state.run_state import AgreementFlags
 
 # the events whose hooks may stop training inside the epoch loop; their stops wait for the next agreement
 DEFERRED_EVENTS = frozenset(
@@ -37,6 +38,11 @@ DEFERRED_EVENTS = frozenset(
 )
 
 
+class AgreedInterrupt(KeyboardInterrupt):
+    """A Ctrl-C or SIGTERM that every rank acts on at the same agreement point (a second one is a plain
+    ``KeyboardInterrupt``, raised at once)."""
+
+
 @dataclass(frozen=True)
 class Agreed:
     """What the ranks agreed on at one agreement point (when they did not stop)."""
@@ -50,33 +56,31 @@ class Agreed:
 
 
 class Lockstep:
-    """Holds a rank's pending stop, checkpoint request or preemption and makes all ranks agree on them."""
+    """Holds a rank's pending stop, checkpoint request or preemption (in the run's :class:`AgreementFlags`) and makes
+    all ranks agree on them."""
 
     SLOTS = 3  # per rank: stop (2 a signal, 1 a plugin), checkpoint request, preemption
 
-    def __init__(self, fabric: Fabric) -> None:
+    def __init__(self, fabric: Fabric, flags: AgreementFlags | None = None) -> None:
         self.fabric = fabric
-        self.pending: TrainingInterrupt | None = None
-        self.signal: str | None = None
-        self.checkpoint_requested = False
-        self.preemption: str | None = None
+        self.flags = flags if flags is not None else AgreementFlags()
 
     def hold(self, stop: TrainingInterrupt) -> None:
         """Keep this rank's stop (the first one) until the ranks next agree."""
-        if self.pending is None:
-            self.pending = stop
+        if self.flags.stop is None:
+            self.flags.stop = str(stop)
 
     def interrupt(self, signal_name: str) -> None:
         """Note a signal this rank received; every rank stops when the ranks next agree."""
-        self.signal = self.signal or signal_name
+        self.flags.signal = self.flags.signal or signal_name
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next agreement (global rank 0's clock)."""
-        self.checkpoint_requested = True
+        self.flags.checkpoint_requested = True
 
     def preempt(self, signal_name: str) -> None:
         """Note a preemption signal; every rank checkpoints and ends when the ranks next agree."""
-        self.preemption = self.preemption or signal_name
+        self.flags.preemption = self.flags.preemption or signal_name
 
     def agree(self, *values: torch.Tensor | float) -> Agreed:
         """All ranks: sum ``values`` over the ranks and learn what any rank holds. A preemption or a checkpoint
@@ -90,9 +94,10 @@ class Lockstep:
         dtype = accumulator_dtype(fabric.device)
         host = [0.0] * (fabric.world_size * self.SLOTS)
         mine = fabric.global_rank * self.SLOTS
-        host[mine] = 2.0 if self.signal is not None else float(self.pending is not None)
-        host[mine + 1] = float(self.checkpoint_requested)
-        host[mine + 2] = float(self.preemption is not None)
+        flags = self.flags
+        host[mine] = 2.0 if flags.signal is not None else float(flags.stop is not None)
+        host[mine + 1] = float(flags.checkpoint_requested)
+        host[mine + 2] = float(flags.preemption is not None)
         plain_slots = [slot for slot, value in enumerate(values) if not isinstance(value, torch.Tensor)]
         device_slots = [slot for slot, value in enumerate(values) if isinstance(value, torch.Tensor)]
         on_host = host + [float(values[slot]) for slot in plain_slots]
@@ -108,21 +113,21 @@ class Lockstep:
         for slot, number in zip(plain_slots + device_slots, numbers[len(host) :], strict=True):
             summed[slot] = number
         per_rank = [numbers[rank * self.SLOTS : (rank + 1) * self.SLOTS] for rank in range(fabric.world_size)]
-        self.checkpoint_requested = False
+        flags.checkpoint_requested = False
         preempted = [rank for rank, slots in enumerate(per_rank) if slots[2] > 0]
         if preempted:
-            name = self._from(preempted[0], self.preemption)
-            self.preemption = None
+            name = self._from(preempted[0], flags.preemption)
+            flags.preemption = None
             return Agreed(summed, checkpoint=True, preempted=f"{name} received by rank {preempted[0]}")
         signalled = [rank for rank, slots in enumerate(per_rank) if slots[0] > 1]
         if signalled:
-            name = self._from(signalled[0], self.signal)
-            self.signal = self.pending = None
-            raise KeyboardInterrupt(f"{name} received by rank {signalled[0]}; every rank stops here")
+            name = self._from(signalled[0], flags.signal)
+            flags.signal = flags.stop = None
+            raise AgreedInterrupt(f"{name} received by rank {signalled[0]}; every rank stops here")
         stopped = [rank for rank, slots in enumerate(per_rank) if slots[0] > 0]
         if stopped:
-            reason = self._from(stopped[0], str(self.pending))
-            self.pending = None
+            reason = self._from(stopped[0], flags.stop)
+            flags.stop = None
             raise TrainingInterrupt(f"{reason} (stopped by rank {stopped[0]}; every rank stops here)")
         return Agreed(summed, checkpoint=any(slots[1] > 0 for slots in per_rank))
 

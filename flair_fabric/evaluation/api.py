@@ -4,10 +4,8 @@ processes started (or found) by Fabric exactly as for training."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import flair
 from flair.data import _len_dataset
@@ -18,47 +16,59 @@ from torch.utils.data import Dataset
 
 from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 from flair_fabric.evaluation.sharded import PREDICTED, evaluate_across_ranks, ready_for_inference
-from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
-from flair_fabric.launch.workers import run_on_every_rank, starts_workers
+from flair_fabric.launch.arguments import take_lightning_arguments, takes_lightning_arguments
+from flair_fabric.launch.config import make_launch_config
+from flair_fabric.launch.runner import Job, run_job
 
 log = logging.getLogger("flair")
 
 
-@dataclass
-class _EvaluationJob:
-    """What every rank needs to score its share."""
+class EvaluationJob(Job):
+    """``model.evaluate`` with the prediction split across the ranks; after workers, the caller's data points get rank
+    0's predicted labels, as after flair's evaluate."""
 
-    model: flair.nn.Model
-    data: Dataset
-    out_path: Path | None
-    evaluate_kwargs: dict[str, Any]
-    return_predictions: bool  # the ranks are workers: the caller's data points get rank 0's predicted labels
+    result_types: ClassVar[tuple[type, ...]] = (Result, RecordedLabel)
+
+    def __init__(self, model: flair.nn.Model, data: Dataset, out_path: Path | None, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.model, self.data, self.out_path, self.evaluate_kwargs = model, data, out_path, kwargs
+        self.in_workers = False
+
+    def for_workers(self) -> Job:
+        copy = EvaluationJob(self.model, self.data, self.out_path, self.evaluate_kwargs)
+        copy.in_workers = True  # the workers evaluate copies: rank 0 sends its predictions back
+        return copy
+
+    def run_on_rank(self, fabric: Fabric) -> tuple[Result, list[list[RecordedLabel]] | None]:
+        self.position.at("the sharded evaluation")
+        with ready_for_inference(fabric, self.model):
+            result = evaluate_across_ranks(
+                fabric, self.model, self.data, out_path=self.out_path, **self.evaluate_kwargs
+            )
+        predictions = None
+        if self.in_workers and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
+            try:
+                predictions = [record_labels(self.data[i], PREDICTED) for i in range(_len_dataset(self.data))]
+            except UnsupportedPrediction as error:
+                log.warning(f"the caller's data points do not get the predicted labels: {error}")
+        return result, predictions
+
+    def hand_back(self, result: Any) -> tuple[Result, None]:
+        scored, predictions = result
+        for index, labels in enumerate(predictions or []):  # workers predicted on copies: label the caller's data too
+            data_point = self.data[index]
+            data_point.remove_labels(PREDICTED)
+            restore_labels(data_point, PREDICTED, labels)
+        return scored, None
 
 
-def _evaluate_on_rank(fabric: Fabric, job: _EvaluationJob) -> tuple[Result, list[list[RecordedLabel]] | None]:
-    with ready_for_inference(fabric, job.model):
-        result = evaluate_across_ranks(fabric, job.model, job.data, out_path=job.out_path, **job.evaluate_kwargs)
-    predictions = None
-    if job.return_predictions and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
-        try:
-            predictions = [record_labels(job.data[i], PREDICTED) for i in range(_len_dataset(job.data))]
-        except UnsupportedPrediction as error:
-            log.warning(f"the caller's data points do not get the predicted labels: {error}")
-    return result, predictions
-
-
+@takes_lightning_arguments
 def evaluate(
     model: flair.nn.Model,
     data_points: list | Dataset,
     gold_label_type: str,
     *,
     out_path: str | Path | None = None,
-    accelerator: str = "auto",
-    devices: DevicesArgument = "auto",
-    num_nodes: int = 1,
-    strategy: StrategyArgument = "auto",
-    precision: str | int | None = None,
-    collective_timeout: float | timedelta | None = None,
     **evaluate_kwargs: Any,
 ) -> Result:
     """``model.evaluate(data_points, gold_label_type, ...)`` with the prediction split across processes.
@@ -70,25 +80,10 @@ def evaluate(
     rank 0 writes ``out_path``. Whole batches of ``mini_batch_size`` are dealt to the ranks, so a split needs at
     least ``devices`` batches to keep every process busy.
     """
-    config = make_launch_config(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        precision=precision,
-        use_amp=False,
-        collective_timeout=collective_timeout,
-    )
+    launch = make_launch_config(**take_lightning_arguments(evaluate_kwargs).as_dict())
     data = data_points if isinstance(data_points, Dataset) else FlairDatapointDataset(data_points)
-    fabric = build_fabric(config)
     path = Path(out_path) if out_path is not None else None
-    kwargs = {"gold_label_type": gold_label_type, **evaluate_kwargs}
-    job = _EvaluationJob(model, data, path, kwargs, return_predictions=starts_workers(fabric))
-    result, predictions = run_on_every_rank(
-        fabric, _evaluate_on_rank, job, config.collective_timeout, result_types=[Result, RecordedLabel]
+    result, _ = run_job(
+        EvaluationJob(model, data, path, {"gold_label_type": gold_label_type, **evaluate_kwargs}), launch
     )
-    for index, labels in enumerate(predictions or []):  # workers predicted on copies: label the caller's data too
-        data_point = data[index]
-        data_point.remove_labels(PREDICTED)
-        restore_labels(data_point, PREDICTED, labels)
     return result

@@ -21,9 +21,7 @@ import io
 import logging
 import re
 import sys
-import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -35,9 +33,15 @@ from flair.training_utils import EmbeddingStorageMode, Result, store_embeddings
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
-from flair_fabric.distributed.collectives import gather_to_global_zero
 from flair_fabric.distributed.stalls import wait_for_global_zero
-from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
+from flair_fabric.evaluation.batches import (
+    PredictedBatch,
+    batches_of_rank,
+    fingerprint,
+    gather_batches,
+    predict_batches,
+)
+from flair_fabric.evaluation.predictions import restore_labels
 
 log = logging.getLogger("flair")
 _FLAIR_EVALUATE = inspect.signature(flair.nn.Classifier.evaluate)
@@ -49,35 +53,22 @@ def can_shard(model: flair.nn.Model) -> TypeGuard[flair.nn.Classifier]:
     return isinstance(model, flair.nn.Classifier) and type(model).evaluate is flair.nn.Classifier.evaluate
 
 
-def batches_of_rank(size: int, batch_size: int, rank: int, world_size: int) -> list[tuple[int, range]]:
-    """The evaluation batches rank ``rank`` predicts, as ``(batch number, data point indices)``: whole batches,
-    dealt round robin."""
-    starts = range(0, size, batch_size)
-    return [
-        (number, range(start, min(start + batch_size, size)))
-        for number, start in enumerate(starts)
-        if number % world_size == rank
-    ]
+class _ReplayedPredictions:
+    """Stands in for the model inside flair's ``Classifier.evaluate``: ``predict`` adds the labels the ranks
+    predicted for the batch (batches come in order) and returns that batch's loss; everything else is the model's."""
 
+    def __init__(self, model: flair.nn.Classifier, batches: list[PredictedBatch]) -> None:
+        self._model = model
+        self._batches = iter(batches)
 
-def _fingerprint(data_point: DataPoint) -> int:
-    """A cheap checksum of a data point's text, to check that every rank evaluates the same data."""
-    return zlib.crc32(data_point.unlabeled_identifier.encode("utf-8"))
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
 
-
-@dataclass
-class _BatchPredictions:
-    """What one rank's ``predict`` produced for one evaluation batch."""
-
-    number: int
-    fingerprints: list[int]
-    labels: list[list[RecordedLabel]]
-    returned: Any  # what predict returned: None, a loss, or (loss sum, count); tensors on the CPU
-    rank: int
-
-
-class _Unsupported(str):
-    """A rank's note that it predicted labels it cannot send (the reason)."""
+    def predict(self, sentences: list[DataPoint], *, label_name: str, **kwargs: Any) -> Any:
+        batch = next(self._batches)
+        for data_point, labels in zip(sentences, batch.labels, strict=True):
+            restore_labels(data_point, label_name, labels[PREDICTED])
+        return _to_device(batch.returned, flair.device)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -88,71 +79,15 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _predict_batches(
-    model: flair.nn.Classifier,
-    data: Dataset,
-    batches: list[tuple[int, range]],
-    rank: int,
-    *,
-    mini_batch_size: int,
-    embedding_storage_mode: EmbeddingStorageMode,
-    return_loss: bool,
-) -> list[_BatchPredictions] | _Unsupported:
-    """Predict this rank's batches as flair's ``evaluate`` predicts them and record what came out. In a terminal,
-    global rank 0 shows its progress (its share of the batches) where flair's ``evaluate`` would show a bar."""
-    predictions = []
-    # in a terminal only: in a notebook or a log file a bar from a worker process is a stream of lines
-    shown = Tqdm.tqdm(batches, desc="evaluating: rank 0's batches", unit="batch", disable=rank != 0 or not _terminal())
-    with torch.no_grad():
-        for number, indices in shown:
-            batch: list[DataPoint] = [data[index] for index in indices]
-            for data_point in batch:
-                data_point.remove_labels(PREDICTED)
-            returned = model.predict(
-                batch,
-                embedding_storage_mode=embedding_storage_mode,
-                mini_batch_size=mini_batch_size,
-                label_name=PREDICTED,
-                return_loss=return_loss,
-            )
-            try:
-                labels = [record_labels(data_point, PREDICTED) for data_point in batch]
-            except UnsupportedPrediction as error:
-                return _Unsupported(str(error))
-            store_embeddings(batch, embedding_storage_mode)
-            fingerprints = [_fingerprint(data_point) for data_point in batch]
-            returned = _to_device(returned, torch.device("cpu"))
-            predictions.append(_BatchPredictions(number, fingerprints, labels, returned, rank))
-    return predictions
-
-
-class _ReplayedPredictions:
-    """Stands in for the model inside flair's ``Classifier.evaluate``: ``predict`` adds the labels the ranks
-    predicted for the batch (batches come in order) and returns that batch's loss; everything else is the model's."""
-
-    def __init__(self, model: flair.nn.Classifier, batches: list[_BatchPredictions]) -> None:
-        self._model = model
-        self._batches = iter(sorted(batches, key=lambda batch: batch.number))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)
-
-    def predict(self, sentences: list[DataPoint], *, label_name: str, **kwargs: Any) -> Any:
-        batch = next(self._batches)
-        for data_point, labels in zip(sentences, batch.labels, strict=True):
-            restore_labels(data_point, label_name, labels)
-        return _to_device(batch.returned, flair.device)
-
-
 def _ranks_with_other_data(
-    data: Dataset, batches: list[_BatchPredictions], mini_batch_size: int, world_size: int
+    data: Dataset, batches: list[PredictedBatch], mini_batch_size: int, world_size: int
 ) -> list[int]:
     """The ranks whose batches are not the ones global rank 0 would deal them from its own copy of ``data``."""
     size = _len_dataset(data)
     differing = set()
     for batch in batches:
         indices = range(batch.number * mini_batch_size, min((batch.number + 1) * mini_batch_size, size))
-        if batch.fingerprints != [_fingerprint(data[index]) for index in indices]:
+        if batch.fingerprints != [fingerprint(data[index]) for index in indices]:
             differing.add(batch.rank)
     numbers = {batch.number for batch in batches}
     differing.update(number % world_size for number in range(-(-size // mini_batch_size)) if number not in numbers)
@@ -166,21 +101,26 @@ def _evaluate_sharded(
     arguments = _FLAIR_EVALUATE.bind(model, data, **evaluate_kwargs)
     arguments.apply_defaults()
     mini_batch_size = arguments.arguments["mini_batch_size"]
-    batches = batches_of_rank(_len_dataset(data), mini_batch_size, fabric.global_rank, fabric.world_size)
-    predicted = _predict_batches(
-        model,
-        data,
-        batches,
-        fabric.global_rank,
-        mini_batch_size=mini_batch_size,
-        embedding_storage_mode=arguments.arguments["embedding_storage_mode"],
-        return_loss=arguments.arguments["return_loss"],
+    mine = batches_of_rank(_len_dataset(data), mini_batch_size, fabric.global_rank, fabric.world_size)
+    storage = arguments.arguments["embedding_storage_mode"]
+    # in a terminal only: in a notebook or a log file a bar from a worker process is a stream of lines
+    shown = Tqdm.tqdm(
+        mine, desc="evaluating: rank 0's batches", unit="batch", disable=not (fabric.is_global_zero and _terminal())
     )
-    gathered = gather_to_global_zero(fabric, predicted)
+    batches = ((number, list(positions), [data[position] for position in positions]) for number, positions in shown)
+    options = {
+        "embedding_storage_mode": storage,
+        "mini_batch_size": mini_batch_size,
+        "label_name": PREDICTED,
+        "return_loss": arguments.arguments["return_loss"],
+    }
+    predicted = predict_batches(
+        model, batches, [PREDICTED], options, fabric.global_rank, lambda batch: store_embeddings(batch, storage)
+    )
+    gathered = gather_batches(fabric, predicted)
     if gathered is None:
         return None
-    unsupported = [reason for reason in gathered if isinstance(reason, _Unsupported)]
-    predictions = [batch for rank_batches in gathered if isinstance(rank_batches, list) for batch in rank_batches]
+    predictions, unsupported = gathered
     differing = [] if unsupported else _ranks_with_other_data(data, predictions, mini_batch_size, fabric.world_size)
     if unsupported or differing:
         reason = (

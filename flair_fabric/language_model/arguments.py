@@ -26,7 +26,8 @@ class LanguageModelArguments:
     num_workers: int
     launch: LaunchConfig
     optimizer_options: dict[str, Any] = field(default_factory=dict)
-    resume_file: Path | None = None
+    resume_folder: Path | None = None
+    """The checkpoint the run continues from (checked before any process started)."""
     generators: dict[str, Any] = field(default_factory=dict)
     """The caller's random generators when it called ``train``: every rank starts from global rank 0's."""
 

@@ -8,9 +8,11 @@ make_launch_config`.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 
 def _about(meaning: str, accepted: str, cli: str) -> dict[str, str]:
@@ -78,3 +80,27 @@ class LightningArguments:
     def as_dict(self) -> dict[str, Any]:
         """The arguments by name."""
         return {name: getattr(self, name) for name in self.names()}
+
+
+LIGHTNING_PARAMETERS = [
+    inspect.Parameter(each.name, inspect.Parameter.KEYWORD_ONLY, default=each.default)
+    for each in fields(LightningArguments)
+]
+"""Lightning's arguments as keyword-only parameters (for the signatures of the entry points)."""
+
+Function = TypeVar("Function", bound=Callable[..., Any])
+
+
+def takes_lightning_arguments(function: Function) -> Function:
+    """Show Lightning's arguments in the signature of an entry point that takes them in ``**kwargs`` (``help()``,
+    IDEs, ``inspect.signature``): before its other ``**kwargs``, or in place of ``**lightning``."""
+    signature = inspect.signature(function)
+    own = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    rest = [p for p in signature.parameters.values() if p.kind == p.VAR_KEYWORD and p.name != "lightning"]
+    function.__signature__ = signature.replace(parameters=own + LIGHTNING_PARAMETERS + rest)  # type: ignore[attr-defined]
+    return function
+
+
+def take_lightning_arguments(kwargs: dict[str, Any]) -> LightningArguments:
+    """Lightning's arguments out of an entry point's ``**kwargs`` (removed from it), the rest left in it."""
+    return LightningArguments(**{name: kwargs.pop(name) for name in LightningArguments.names() if name in kwargs})

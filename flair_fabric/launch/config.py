@@ -23,7 +23,7 @@ from typing import Any
 from lightning.fabric import Fabric
 from lightning.fabric.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.strategies import DeepSpeedStrategy, Strategy
+from lightning.fabric.strategies import Strategy
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT, check_collective_timeout
 from flair_fabric.launch.environment import (
@@ -36,11 +36,15 @@ from flair_fabric.launch.environment import (
     quiet_lightning_banner,
     use_this_ranks_gpu,
 )
-from flair_fabric.strategies import LAUNCHING_STRATEGIES, check_strategy, is_supported
-from flair_fabric.strategies.base import StartMethod
-from flair_fabric.strategies.ddp import FindUnused, FlairDDPStrategy
-from flair_fabric.strategies.deepspeed import require_deepspeed
-from flair_fabric.strategies.fsdp import FlairFSDPStrategy
+from flair_fabric.strategies import (
+    brings_cluster_environment,
+    check_strategy,
+    is_strategy_object,
+    resolve_strategy,
+    start_method,
+    starts_workers,
+    timeout_of,
+)
 
 log = logging.getLogger("flair")
 quiet_lightning_banner()  # every process of a run imports this module before Lightning initialises the group
@@ -50,24 +54,6 @@ DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-STRATEGIES = (
-    "auto",
-    "ddp",
-    "ddp_spawn",
-    "ddp_fork",
-    "ddp_notebook",
-    "fsdp",
-    "deepspeed",
-    "deepspeed_stage_1",
-    "deepspeed_stage_2",
-)
-"""Strategy names (the ``ddp*`` ones also with Lightning's ``_find_unused_parameters_true``/``_false`` suffix)."""
-_START_METHOD: dict[str, StartMethod] = {
-    "ddp": "popen",
-    "ddp_spawn": "spawn",
-    "ddp_fork": "fork",
-    "ddp_notebook": "fork",
-}
 _GPU_ONLY_PRECISIONS = ("16-mixed", "16-true")
 
 
@@ -218,80 +204,36 @@ def _lightning_quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def resolve_strategy(
-    strategy: StrategyArgument,
-    world_size: int,
-    accelerator: str,
-    launched: ExternalLaunch | None = None,
-    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-) -> StrategyArgument:
-    """Turn the ``strategy`` argument into what Fabric is given: a strategy object or ``"auto"``.
-
-    ``"auto"`` picks what Lightning picks: no wrapper for one process, otherwise DDP, with forked workers in a
-    notebook or REPL (which cannot be relaunched) and the script relaunch elsewhere. ``"fsdp"`` starts processes the
-    same way.
-    """
-    if isinstance(strategy, Strategy):
-        if not is_supported(strategy):
-            raise ValueError(
-                f"strategy={type(strategy).__name__}(...) is not supported; pass one of {', '.join(STRATEGIES)}"
-                " or a FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object."
-            )
-        return strategy
-    name, find_unused = _split_find_unused(strategy)
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not supported; choose one of {', '.join(STRATEGIES)}.")
-    interactive = launched is None and is_interactive()
-    if name == "auto":
-        if world_size == 1 and launched is None:
-            return "auto"
-        name = "ddp_notebook" if interactive else "ddp"
-    if name == "fsdp":
-        return FlairFSDPStrategy(start_method="fork" if interactive else "popen", timeout=timeout)
-    if name.startswith("deepspeed"):
-        require_deepspeed(accelerator)  # before Lightning's constructor, which needs the package
-        stage = 1 if name == "deepspeed_stage_1" else 2
-        return DeepSpeedStrategy(stage=stage, timeout=timeout)
-    return FlairDDPStrategy(start_method=_START_METHOD[name], timeout=timeout, find_unused_parameters=find_unused)
-
-
-def _split_find_unused(strategy: str) -> tuple[str, FindUnused]:
-    """Lightning's ``"ddp_find_unused_parameters_true"`` spellings: the strategy name and the forced setting."""
-    for suffix, value in (("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False)):
-        if isinstance(strategy, str) and strategy.endswith(suffix) and strategy.startswith("ddp"):
-            return strategy.removesuffix(suffix), value
-    return strategy, "auto"
-
-
 def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | None, accelerator: str) -> None:
     """Refuse process start-ups that cannot work here: a relaunch from a notebook, workers started by a script that
     torchrun/SLURM already started, and forking after CUDA was initialised."""
-    if not isinstance(strategy, LAUNCHING_STRATEGIES):
+    method = start_method(strategy)
+    if method is None:
         return
-    if launched is not None and strategy.starts_workers_in_train:
+    if launched is not None and starts_workers(strategy):
         raise ValueError(
             f"{launched.description}: the processes exist already, so strategy=... must not start more;"
             " use strategy='ddp' or 'auto'."
         )
-    if strategy.start_method == "popen" and launched is None and is_interactive():
+    if method == "popen" and launched is None and is_interactive():
         raise ValueError(
             "strategy='ddp' relaunches the running script once per device, which a notebook or REPL cannot do:"
             " use strategy='ddp_notebook' (or 'auto') here, or run a script."
         )
-    if strategy.start_method == "spawn" and launched is None and is_interactive():
+    if method == "spawn" and launched is None and is_interactive():
         raise ValueError(
             "strategy='ddp_spawn' starts fresh Python processes that import the running program, which a notebook or"
             " REPL does not have as a file: use strategy='ddp_notebook' (or 'auto', which forks) here, or run a"
             " script."
         )
-    if strategy.start_method == "fork" and cuda_is_initialized():
+    if method == "fork" and cuda_is_initialized():
         raise RuntimeError(
             "strategy='ddp_fork'/'ddp_notebook' cannot fork worker processes: CUDA is already initialised in this"
             " process (flair moves new models to flair.device, cuda:0 by default). Set flair.device ="
             " torch.device('cpu') (or FLAIR_DEVICE=cpu) before building the model and restart the kernel, or use"
             " strategy='ddp_spawn' in a script."
         )
-    if strategy.start_method == "fork" and accelerator == "cuda" and cuda_driver_initialized():
+    if method == "fork" and accelerator == "cuda" and cuda_driver_initialized():
         raise RuntimeError(
             "strategy='ddp_fork'/'ddp_notebook' cannot fork worker processes that use the GPU: this process has"
             " initialised the CUDA driver (importing flair before flair_fabric does: flair asks"
@@ -327,19 +269,18 @@ def make_launch_config(
     num_nodes: int,
     strategy: StrategyArgument,
     precision: str | int | None,
-    use_amp: bool,
+    use_amp: bool = False,
     collective_timeout: float | timedelta | None = None,
 ) -> LaunchConfig:
     """Check and resolve Lightning's five arguments (plus flair's ``use_amp`` and ``collective_timeout``) without
     starting anything."""
     timeout = check_collective_timeout(collective_timeout)
-    if collective_timeout is not None and isinstance(strategy, Strategy):
+    if collective_timeout is not None and is_strategy_object(strategy):
         raise ValueError(
             f"collective_timeout={collective_timeout!r} and a strategy object were both given: pass timeout= to the"
             f" {type(strategy).__name__}(...) instead."
         )
-    if isinstance(strategy, Strategy):
-        timeout = getattr(strategy, "_timeout", None) or timeout
+    timeout = timeout_of(strategy) or timeout
     concrete_accelerator = resolve_accelerator(accelerator)
     resolved_devices = resolve_devices(devices, concrete_accelerator)
     nodes = check_num_nodes(num_nodes)
@@ -347,7 +288,14 @@ def make_launch_config(
     launched = external_launch()
     check_external_launch(resolved_devices, nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
-    resolved_strategy = resolve_strategy(strategy, count * nodes, concrete_accelerator, launched, timeout)
+    resolved_strategy = resolve_strategy(
+        strategy,
+        world_size=count * nodes,
+        accelerator=concrete_accelerator,
+        launched=launched is not None,
+        interactive=launched is None and is_interactive(),
+        timeout=timeout,
+    )
     check_start_method(resolved_strategy, launched, concrete_accelerator)
     check_strategy(resolved_strategy, concrete_accelerator, resolved_precision)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision, timeout)
@@ -358,7 +306,7 @@ def build_fabric(config: LaunchConfig) -> Fabric:
 
     The cluster environment is chosen here (:func:`cluster_environment`), not by Fabric, unless a strategy object
     brings its own: Fabric's detection initialises MPI in every process where ``mpi4py`` is installed."""
-    own = isinstance(config.strategy, Strategy) and getattr(config.strategy, "cluster_environment", None) is not None
+    own = brings_cluster_environment(config.strategy)
     return Fabric(
         accelerator=config.accelerator,
         devices=config.devices,

@@ -3,7 +3,7 @@
 Detection goes through Fabric's own cluster environments (``TorchElasticEnvironment``, ``SLURMEnvironment``), so a
 script started by ``torchrun`` or ``srun`` is recognised exactly as Fabric will recognise it. The one exception is
 MPI: Fabric asks ``mpi4py`` in every process, which initialises MPI, and where Open MPI is installed without a
-launcher to start its daemon (a container image with ``mpi4py``, as on the GPU machine of the GPU check) that
+launcher to start its daemon (a container image with ``mpi4py`` and no ``ssh``/``rsh``) that
 aborts the whole process. :func:`cluster_environment` asks MPI only when an MPI launcher started the process.
 """
 
@@ -118,8 +118,8 @@ CUDA_SUCCESS = 0
 def cuda_driver_initialized() -> bool:
     """Whether this process has initialised the CUDA driver (``cuInit``), which ``torch.cuda.is_initialized()`` does
     not tell: without ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, ``torch.cuda.is_available()`` (``import flair`` asks it)
-    calls cudaGetDeviceCount, which initialises the driver, and workers forked afterwards cannot use the GPU (the
-    GPU check saw it). Asked through the driver API, without loading or initialising anything: a driver library not
+    calls cudaGetDeviceCount, which initialises the driver, and workers forked afterwards cannot use the GPU. Asked
+    through the driver API, without loading or initialising anything: a driver library not
     yet loaded into this process (``RTLD_NOLOAD``) was not initialised, and ``cuDeviceGetCount`` fails with
     CUDA_ERROR_NOT_INITIALIZED until ``cuInit`` ran."""
     if torch.version.cuda is None or not hasattr(os, "RTLD_NOLOAD"):

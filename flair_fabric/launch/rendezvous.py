@@ -4,7 +4,7 @@ PyTorch's rendezvous store (a ``TCPStore``) has no authentication, and the one `
 rank 0 listens on every interface. For a run whose processes all live on this machine and are started here (the
 script relaunch, spawned or forked workers), the starting process hosts the store itself instead: on a socket it
 binds to ``127.0.0.1`` and holds from the moment the port is chosen (so no other program can take the port while the
-workers import, which made ``ddp_spawn`` fail with ``EADDRINUSE``), and every rank connects to it as a client (the
+workers import, or ``ddp_spawn`` would fail with ``EADDRINUSE``), and every rank connects to it as a client (the
 same arrangement as under torchrun's agent, ``TORCHELASTIC_USE_AGENT_STORE``). gloo and NCCL are told to use the
 loopback interface (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``, unless the user set them). Under SLURM on one
 node task 0 hosts it on loopback; under torchrun global rank 0 hosts one per attempt (:func:`torchrun_rendezvous`).

@@ -8,10 +8,9 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from itertools import islice
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import flair
 import torch
@@ -21,8 +20,9 @@ from lightning.fabric import Fabric
 
 from flair_fabric.evaluation.predictions import RecordedLabel
 from flair_fabric.evaluation.sharded import ready_for_inference
-from flair_fabric.launch.config import DevicesArgument, StrategyArgument, build_fabric, make_launch_config
-from flair_fabric.launch.workers import run_on_every_rank, starts_workers
+from flair_fabric.launch.arguments import LightningArguments, takes_lightning_arguments
+from flair_fabric.launch.config import make_launch_config
+from flair_fabric.launch.runner import Job, run_job
 from flair_fabric.prediction import INPUT_FORMATS
 from flair_fabric.prediction.formats import (
     WRITERS,
@@ -77,31 +77,47 @@ class _Stream:
     progress_bar: bool
 
 
-@dataclass
-class _PredictionJob:
-    model: flair.nn.Model
-    data: Sequence[DataPoint] | _Stream
-    predict_kwargs: dict[str, Any]
-    return_labels: bool  # the ranks are workers: rank 0's labels come back for the caller's data points
+class PredictionJob(Job):
+    """A model's ``predict`` with the batches dealt to the ranks, in memory or streamed from a file to a file; after
+    workers, the caller's data points get rank 0's labels."""
 
+    result_types: ClassVar[tuple[type, ...]] = (PredictionSummary, Predicted, RecordedLabel, NotSplit)
 
-def _predict_on_rank(fabric: Fabric, job: _PredictionJob) -> Any:
-    with ready_for_inference(fabric, job.model):
-        if isinstance(job.data, _Stream):
-            return _predict_stream(fabric, job.model, job.data, job.predict_kwargs)
-        try:
-            predicted = predict_across_ranks(
-                fabric, job.model, job.data, job.predict_kwargs, label_on_global_zero=not job.return_labels
-            )
-        except NotSplittable as error:
-            return NotSplit(str(error))  # the caller (each rank of a script) predicts its data points itself
-    if job.return_labels and predicted is not None:  # to the caller through a file: JSON reads back fastest
-        return predicted.to_json() or predicted
-    if fabric.world_size > 1 and not job.return_labels:  # every rank of the script gets the labels on its data
-        predicted = fabric.broadcast(predicted, src=0)
-        if not fabric.is_global_zero:
-            _put_labels(job.data, predicted)
-    return predicted
+    def __init__(self, model: flair.nn.Model, data: Sequence[DataPoint] | _Stream, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.model, self.data, self.predict_kwargs = model, data, kwargs
+        self.in_workers = False  # the ranks are workers: rank 0's labels come back for the caller's data points
+
+    def for_workers(self) -> Job:
+        copy = PredictionJob(self.model, self.data, self.predict_kwargs)
+        copy.in_workers = True
+        return copy
+
+    def run_on_rank(self, fabric: Fabric) -> Any:
+        self.position.at("the sharded prediction")
+        with ready_for_inference(fabric, self.model):
+            if isinstance(self.data, _Stream):
+                return _predict_stream(fabric, self.model, self.data, self.predict_kwargs)
+            try:
+                predicted = predict_across_ranks(
+                    fabric, self.model, self.data, self.predict_kwargs, label_on_global_zero=not self.in_workers
+                )
+            except NotSplittable as error:
+                return NotSplit(str(error))  # the caller (each rank of a script) predicts its data points itself
+        if self.in_workers and predicted is not None:  # to the caller through a file: JSON reads back fastest
+            return predicted.to_json() or predicted
+        if fabric.world_size > 1 and not self.in_workers:  # every rank of the script gets the labels on its data
+            predicted = fabric.broadcast(predicted, src=0)
+            if not fabric.is_global_zero:
+                _put_labels(self.data, predicted)
+        return predicted
+
+    def hand_back(self, result: Any) -> Any:
+        if isinstance(result, str):
+            result = Predicted.from_json(result)
+        if isinstance(result, Predicted) and not isinstance(self.data, _Stream):  # workers predicted copies
+            _put_labels(self.data, result)
+        return result
 
 
 def _put_labels(data: Sequence[DataPoint], predicted: Predicted | None) -> None:
@@ -167,6 +183,7 @@ def _report(summary: PredictionSummary, stream: _Stream) -> None:
         log.warning(f"... {len(summary.skipped) - 20} more skipped; all of them in the returned summary")
 
 
+@takes_lightning_arguments
 def predict(
     model: flair.nn.Model,
     data: DataPoint | Sequence[DataPoint] | str | Path,
@@ -183,12 +200,7 @@ def predict(
     label_name: str | None = None,
     return_loss: bool = False,
     embedding_storage_mode: str = "none",
-    accelerator: str = "auto",
-    devices: DevicesArgument = "auto",
-    num_nodes: int = 1,
-    strategy: StrategyArgument = "auto",
-    precision: str | int | None = None,
-    collective_timeout: float | timedelta | None = None,
+    **lightning: Any,
 ) -> Any:
     """``model.predict`` with the batches split across processes.
 
@@ -206,15 +218,7 @@ def predict(
     """
     if not hasattr(model, "predict"):
         raise ValueError(f"model: a {type(model).__name__} has no predict method; pass a trained flair model.")
-    config = make_launch_config(
-        accelerator=accelerator,
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        precision=precision,
-        use_amp=False,
-        collective_timeout=collective_timeout,
-    )
+    config = make_launch_config(**LightningArguments(**lightning).as_dict())
     kwargs = {
         "mini_batch_size": mini_batch_size,
         "return_probabilities_for_all_classes": return_probabilities_for_all_classes,
@@ -223,29 +227,17 @@ def predict(
         "return_loss": return_loss,
         "embedding_storage_mode": embedding_storage_mode,
     }
-    fabric = build_fabric(config)
-    workers = starts_workers(fabric)
     if isinstance(data, str | Path):
         shows_bar = os.isatty(2) if progress_bar is None else progress_bar
         stream = _checked_stream(
             Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config, shows_bar
         )
-        job = _PredictionJob(model, stream, kwargs, return_labels=False)
-        return run_on_every_rank(
-            fabric, _predict_on_rank, job, config.collective_timeout, result_types=[PredictionSummary]
-        )
+        return run_job(PredictionJob(model, stream, kwargs), config)
     data_points = [data] if isinstance(data, DataPoint) else list(data)
-    job = _PredictionJob(model, data_points, kwargs, return_labels=workers)
-    predicted = run_on_every_rank(
-        fabric, _predict_on_rank, job, config.collective_timeout, result_types=[Predicted, RecordedLabel, NotSplit]
-    )
+    predicted = run_job(PredictionJob(model, data_points, kwargs), config)
     if isinstance(predicted, NotSplit):  # as flair_fabric.evaluate: not split, never wrong
         log.warning(f"predicting in this process only: {predicted.reason}")
         return cast(Any, model).predict(data_points, **kwargs)
-    if isinstance(predicted, str):
-        predicted = Predicted.from_json(predicted)
-    if workers:  # they predicted copies: label the caller's data points
-        _put_labels(data_points, predicted)
     if return_loss and data_points:  # as flair's predict: the summed loss and the number of labels
         loss_sum, count = predicted.loss
         return torch.tensor(loss_sum, device=flair.device), count
@@ -272,7 +264,7 @@ def _checked_stream(
     out = Path(out_path)
     if not out.parent.is_dir():
         raise ValueError(f"out_path={str(out_path)!r}: its folder does not exist; create it first.")
-    size = chunk_size or 64 * config.world_size * 32
+    size = chunk_size if chunk_size is not None else 64 * config.world_size * 32
     if size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not valid: pass a positive whole number.")
     return _Stream(path, input_format, out, output_format_for(out, output_format), tokenizer, size, progress_bar)

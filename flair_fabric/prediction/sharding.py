@@ -16,19 +16,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import flair
-import torch
 from flair.data import DataPoint, Sentence
 from lightning.fabric import Fabric
 
-from flair_fabric.distributed.collectives import gather_to_global_zero
-from flair_fabric.evaluation.predictions import (
-    Address,
-    RecordedLabel,
-    UnsupportedPrediction,
-    record_labels,
-    restore_labels,
-)
-from flair_fabric.evaluation.sharded import batches_of_rank
+from flair_fabric.distributed.collectives import any_rank
+from flair_fabric.evaluation.batches import Labels, Unmovable, batches_of_rank, gather_batches, predict_batches
+from flair_fabric.evaluation.predictions import Address, RecordedLabel, restore_labels
 
 
 def flair_order(data_points: Sequence[DataPoint]) -> list[int]:
@@ -46,14 +39,6 @@ def label_names_of(model: flair.nn.Model, label_name: str | None) -> list[str]:
     tasks = getattr(model, "tasks", None)
     models = list(tasks.values()) if isinstance(tasks, dict) else [model]
     return [getattr(each, "label_type", None) or "label" for each in models]
-
-
-Labels = dict[str, list[RecordedLabel]]
-"""A data point's predicted labels by label name."""
-
-
-def _record(data_point: DataPoint, names: list[str]) -> Labels:
-    return {name: record_labels(data_point, name) for name in names}
 
 
 def put_labels(data_point: DataPoint, labels: Labels) -> None:
@@ -104,15 +89,6 @@ class NotSplittable(RuntimeError):
     """The model puts labels where they cannot be moved between processes; every rank raises it together."""
 
 
-def _agreed_problem(fabric: Fabric, problem: str | None) -> str | None:
-    """``problem`` (or a stand-in for another rank's) if any rank had one; one all-reduce, on every rank."""
-    if fabric.world_size > 1:
-        flag = torch.tensor(float(problem is not None), device=fabric.device)
-        if cast(torch.Tensor, fabric.all_reduce(flag, reduce_op="sum")).item() > 0:
-            return problem or "another rank predicted labels that cannot be moved between processes"
-    return problem
-
-
 def predict_across_ranks(
     fabric: Fabric,
     model: flair.nn.Model,
@@ -128,34 +104,28 @@ def predict_across_ranks(
     mini_batch_size = predict_kwargs.get("mini_batch_size", 32)
     order = flair_order(data_points)
     mine = batches_of_rank(len(order), mini_batch_size, fabric.global_rank, fabric.world_size)
-    predicted: dict[int, Labels] = {}
-    loss_sum, count = 0.0, 0
-    problem = None
-    with torch.no_grad():
-        for _, positions in mine:
-            batch = [data_points[order[position]] for position in positions]
-            for data_point in batch:
-                for name in names:
-                    data_point.remove_labels(name)
-            returned = cast(Any, model).predict(batch, **predict_kwargs)
-            if predict_kwargs.get("return_loss") and isinstance(returned, tuple):
-                loss_sum, count = loss_sum + float(returned[0]), count + int(returned[1])
-            try:
-                predicted.update({order[p]: _record(data_points[order[p]], names) for p in positions})
-            except UnsupportedPrediction as error:
-                problem = str(error)
-                break
-    problem = _agreed_problem(fabric, problem)
-    if problem is not None:
-        raise NotSplittable(problem)
-    gathered = gather_to_global_zero(fabric, (predicted, loss_sum, count))
+    batches = (
+        (number, [order[position] for position in positions], [data_points[order[position]] for position in positions])
+        for number, positions in mine
+    )
+    predicted = predict_batches(model, batches, names, predict_kwargs, fabric.global_rank)
+    if any_rank(fabric, isinstance(predicted, Unmovable)):
+        problem = predicted if isinstance(predicted, Unmovable) else None
+        raise NotSplittable(problem or "another rank predicted labels that cannot be moved between processes")
+    gathered = gather_batches(fabric, predicted)
     if gathered is None:
         return None
-    every = {index: labels for rank_labels, _, _ in gathered for index, labels in rank_labels.items()}
-    for index, labels in every.items() if label_on_global_zero else ():
-        if index not in predicted:  # another rank predicted it: put its labels on this process's data point
-            put_labels(data_points[index], labels)
-    loss = (sum(part[1] for part in gathered), sum(part[2] for part in gathered))
-    return Predicted(
-        [every[index] for index in range(len(data_points))], loss if predict_kwargs.get("return_loss") else None
-    )
+    every_batch, _ = gathered
+    every = {
+        index: labels for batch in every_batch for index, labels in zip(batch.positions, batch.labels, strict=True)
+    }
+    if label_on_global_zero:  # the other ranks' labels on this process's data points
+        own = {index for batch in cast(list, predicted) for index in batch.positions}
+        for index, labels in every.items():
+            if index not in own:
+                put_labels(data_points[index], labels)
+    loss = None
+    if predict_kwargs.get("return_loss"):  # flair's (loss sum, count) of every batch, summed over the ranks
+        returned = [batch.returned for batch in every_batch if isinstance(batch.returned, tuple)]
+        loss = (sum(float(part[0]) for part in returned), sum(int(part[1]) for part in returned))
+    return Predicted([every[index] for index in range(len(data_points))], loss)

@@ -1,8 +1,8 @@
 """flair model files written once and atomically; weights handed from rank 0 to every rank.
 
-A sharded model (``strategy="fsdp"``) is consolidated first: its whole weights are gathered to global rank 0, which
-writes an ordinary flair model file (``TextClassifier.load(path)`` reads it in one process); loading scatters rank
-0's weights back into the shards.
+A sharded model (``strategy="fsdp"``) is consolidated first by its strategy: its whole weights are gathered to global
+rank 0, which writes an ordinary flair model file (``TextClassifier.load(path)`` reads it in one process); loading
+scatters rank 0's weights back into the shards.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import flair
 import torch
 from lightning.fabric import Fabric
 
-from flair_fabric.distributed.sharded_state import full_state_dict, is_sharded, load_full_state_dict
 from flair_fabric.distributed.stalls import wait_for_global_zero
 from flair_fabric.state.model_state import flair_state, save_flair_state
 
@@ -75,24 +74,27 @@ def _umask() -> int:
     return current
 
 
-def save_on_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path, checkpoint: bool) -> None:
-    """Write the flair model file once, from global rank 0.
-
-    For an unsharded model no collective is involved; a sharded model is consolidated first, which every rank must
-    take part in (the trainer's saves happen on every rank at the same point).
-    """
-    weights = full_state_dict(model) if is_sharded(model) else None
+def save_on_global_zero(
+    fabric: Fabric,
+    model: flair.nn.Model,
+    path: str | Path,
+    checkpoint: bool,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write the flair model file once, from global rank 0; ``weights``: the whole weights of a sharded model,
+    gathered to rank 0 before (the strategy's ``whole_weights``). Every rank calls it; the others wait."""
     if fabric.is_global_zero:
         save_model_atomically(model, path, checkpoint=checkpoint, weights=weights)
     wait_for_global_zero(fabric)  # a slow disk must not trip the short timeout of the next training collective
 
 
-def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Path) -> bool:
-    """Load the weights of the flair model file ``path`` into ``model`` on every rank.
-
-    Only global rank 0 reads the file (other ranks may sit on machines that cannot see it); the weights travel
-    over the process group. Returns whether the file existed. Every rank must call this.
-    """
+def load_from_global_zero(
+    fabric: Fabric, model: flair.nn.Model, path: str | Path, load: Callable[[dict[str, torch.Tensor] | None], None]
+) -> bool:
+    """Read the weights of the flair model file ``path`` on global rank 0 only (other ranks may sit on machines that
+    cannot see it) and hand them to ``load`` on every rank (rank 0's state, ``None`` elsewhere: the strategy's
+    ``load_whole_weights`` moves them over the process group). Returns whether the file existed. Every rank must
+    call this."""
     path = Path(path)
     exists = fabric.broadcast(path.exists() if fabric.is_global_zero else None, src=0)
     if not exists:
@@ -101,10 +103,5 @@ def load_from_global_zero(fabric: Fabric, model: flair.nn.Model, path: str | Pat
     if fabric.is_global_zero:
         state = {name: tensor.cpu() for name, tensor in model.load(path).state_dict().items()}
     wait_for_global_zero(fabric)
-    if is_sharded(model):
-        load_full_state_dict(model, state or {})
-        return True
-    state = fabric.broadcast(state, src=0)
-    assert state is not None
-    model.load_state_dict(state)
+    load(state)
     return True

@@ -70,8 +70,3 @@ class CheckpointPolicy:
             keep=_count("keep_checkpoints", keep, minimum=1),
             requeue_signal=_signal(requeue_signal),
         )
-
-    @property
-    def within_epochs(self) -> bool:
-        """Whether checkpoints are also taken inside epochs (by steps or by time)."""
-        return bool(self.every_n_steps or self.every_n_minutes)

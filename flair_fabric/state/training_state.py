@@ -7,8 +7,9 @@
 - ``extras.pt``: the plugins' schedulers, the gradient scaler, and every rank's own state: its random number
   generators (now and at the start of the epoch, which decided the epoch's data order in one process) and its part
   of the epoch's train loss,
-- ``progress.json``: the run's :class:`~flair_fabric.state.progress.RunProgress` (epochs, steps, the position in the
-  epoch, best score, data-order seed, world size, model fingerprint), read before any process starts.
+- ``progress.json``: the run's :class:`~flair_fabric.state.run_state.RunState` (epochs, steps, the position in the
+  epoch, best score, data-order seed, world size, model fingerprint, what the epoch's end owes), read before any
+  process starts.
 
 A checkpoint is written into ``.step-<steps>.tmp/`` and renamed into place when it is complete on every rank; only
 then is it the newest, and only then are the oldest beyond ``keep_checkpoints`` removed. ``resume_from="auto"``
@@ -22,24 +23,18 @@ import logging
 import os
 import random
 import shutil
-import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
-import flair
 import numpy as np
 import torch
 from lightning.fabric import Fabric
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from flair_fabric.distributed.collectives import gather_to_global_zero
 from flair_fabric.distributed.fingerprints import differences, model_fingerprint
-from flair_fabric.distributed.sharded_state import is_sharded
 from flair_fabric.distributed.stalls import wait_for_global_zero
-from flair_fabric.state.progress import RunProgress
-from flair_fabric.state.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load, load_data
+from flair_fabric.state.run_state import RunState
+from flair_fabric.state.safe_loading import UnsafeFile, check_distributed_checkpoint, checked_load
 
 log = logging.getLogger("flair")
 
@@ -81,6 +76,8 @@ def find_checkpoint(resume_from: str | Path | None, base_path: str | Path) -> Pa
     folder = Path(resume_from)
     if folder.name in ("state.ckpt", "extras.pt", PROGRESS):  # a file inside the checkpoint folder
         folder = folder.parent
+    if (folder / FOLDER).is_dir() and not (folder / PROGRESS).is_file():  # a run's folder: its checkpoints
+        folder = folder / FOLDER
     if folder.name == FOLDER and not (folder / PROGRESS).is_file():  # the run's checkpoints folder: its newest
         newest = newest_checkpoint(folder.parent)
         folder = newest if newest is not None else folder
@@ -93,7 +90,7 @@ def find_checkpoint(resume_from: str | Path | None, base_path: str | Path) -> Pa
 
 
 def checkpoint_to_resume(
-    model: flair.nn.Model, base_path: Path, epoch: int, resume_from: str | Path | None
+    model: torch.nn.Module, base_path: Path, epoch: int, resume_from: str | Path | None
 ) -> tuple[Path | None, int]:
     """Check the checkpoint ``model`` resumes from, before any process starts.
 
@@ -125,15 +122,21 @@ def checkpoint_to_resume(
     return folder, progress.epoch
 
 
-def read_progress(folder: Path) -> RunProgress:
-    """The progress record of a checkpoint folder (JSON)."""
+def resume_folder_of_global_zero(fabric: Fabric, folder: Path | None) -> Path | None:
+    """The checkpoint global rank 0's caller chose to resume from, on every rank: on machines without a copy of it
+    ``resume_from="auto"`` finds nothing, and every rank must resume alike. A collective."""
+    return cast(Path | None, fabric.broadcast(folder, src=0)) if fabric.world_size > 1 else folder
+
+
+def read_progress(folder: Path) -> RunState:
+    """The run-state record of a checkpoint folder (JSON)."""
     try:
-        return RunProgress(**json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
+        return RunState.from_stored(json.loads((folder / PROGRESS).read_text(encoding="utf-8")))
     except (ValueError, TypeError, UnicodeDecodeError) as error:
         raise UnsafeFile(f"{folder / PROGRESS} is not a progress record flair-fabric wrote ({error})") from None
 
 
-def check_checkpoint_folder(folder: Path) -> RunProgress:
+def check_checkpoint_folder(folder: Path) -> RunState:
     """Read every file of a checkpoint as plain data, before anything uses it; return its progress record.
 
     A file that holds code or unexpected objects raises :class:`~flair_fabric.safe_loading.UnsafeFile`, and
@@ -179,7 +182,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --- plugin state ---------------------------------------------------------------------------------------------------
 
 
-def _schedulers(plugins: list[Any]) -> dict[str, Any]:
+def plugin_schedulers(plugins: list[Any]) -> dict[str, Any]:
     """The learning-rate schedulers flair's functional plugins keep (``plugin.scheduler``), by a stable key: flair's
     plugin class (flair-fabric's versions for several processes share their flair class's key, so a checkpoint of
     one number of processes resumes on another) and a count."""
@@ -202,13 +205,15 @@ def save_training_state(
     base_path: Path,
     module: Any,
     optimizer: Any,
-    plugins: list[Any],
-    progress: RunProgress,
+    schedulers: dict[str, Any],
+    progress: RunState,
     rank_state: dict[str, Any],
     keep: int,
+    extras: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a complete checkpoint of the run in ``base_path`` (``rank_state``: this rank's own part) and keep the
-    newest ``keep``. Returns its folder. A collective: every rank must call it."""
+    """Write a complete checkpoint of the run in ``base_path`` and keep the newest ``keep``: ``schedulers`` by a
+    stable key, ``rank_state`` this rank's own part, ``extras`` more plain values of the job (global rank 0's).
+    Returns its folder. A collective: every rank must call it."""
     every_rank = gather_to_global_zero(fabric, {**rank_state, "rng": rng_state()})  # for rank 0 to write
     folder = checkpoints_folder(base_path) / checkpoint_name(progress.batch_count)
     temporary = folder.parent / f".{folder.name}.tmp"
@@ -220,13 +225,14 @@ def save_training_state(
     fabric.save(temporary / "state.ckpt", {"model": module, "optimizer": optimizer})
     if fabric.is_global_zero:
         scaler = getattr(fabric.strategy.precision, "scaler", None)
-        extras = {
-            "schedulers": {key: scheduler.state_dict() for key, scheduler in _schedulers(plugins).items()},
+        stored = {
+            "schedulers": {key: scheduler.state_dict() for key, scheduler in schedulers.items()},
             "scaler": scaler.state_dict() if scaler is not None else None,
             "ranks": every_rank,
+            "job": extras or {},
         }
-        torch.save(extras, temporary / "extras.pt")
-        (temporary / PROGRESS).write_text(json.dumps(asdict(progress), indent=2), encoding="utf-8")
+        torch.save(stored, temporary / "extras.pt")
+        (temporary / PROGRESS).write_text(json.dumps(progress.stored(), indent=2), encoding="utf-8")
         _make_private(temporary)
         shutil.rmtree(folder, ignore_errors=True)  # the same step saved before (an epoch end on a step trigger)
         os.replace(temporary, folder)  # from here on it is the newest complete checkpoint
@@ -243,14 +249,17 @@ def _make_private(folder: Path) -> None:
 
 
 def load_training_state(
-    fabric: Fabric, folder: Path, module: Any, optimizer: Any, plugins: list[Any]
-) -> tuple[RunProgress, list[dict[str, Any]]]:
-    """Load model, optimizer, schedulers and scaler from ``folder``; return the progress and every rank's own state
-    as the run that wrote it kept it (its generators, its part of the epoch's loss). A collective."""
-    progress = read_progress(folder)
-    load_model_and_optimizer(fabric, folder / "state.ckpt", module, optimizer)
-    extras = checked_load(folder / "extras.pt")
-    schedulers = _schedulers(plugins)
+    fabric: Fabric, folder: Path, schedulers: dict[str, Any]
+) -> tuple[RunState, list[dict[str, Any]], dict[str, Any]]:
+    """Load ``schedulers`` (by their keys) and the gradient scaler from ``folder`` (the model and the optimizer are the
+    strategy's to load, from ``folder / "state.ckpt"``); return the run-state record, every rank's own state as the
+    run that wrote it kept it (its generators, its part of the epoch's loss), and the job's extras. Global rank 0
+    reads the files; the other ranks receive them. A collective."""
+    stored = (read_progress(folder).stored(), checked_load(folder / "extras.pt")) if fabric.is_global_zero else None
+    if fabric.world_size > 1:  # read by global rank 0 only: the other machines need no copy of the files
+        stored = fabric.broadcast(stored, src=0)
+    assert stored is not None
+    progress, extras = RunState.from_stored(stored[0]), stored[1]
     if schedulers.keys() != extras["schedulers"].keys():
         raise ValueError(
             f"the checkpoint in {folder} was written with the schedulers {sorted(extras['schedulers'])}, this run has"
@@ -261,23 +270,7 @@ def load_training_state(
     scaler = getattr(fabric.strategy.precision, "scaler", None)
     if scaler is not None and extras["scaler"] is not None:
         scaler.load_state_dict(extras["scaler"])
-    return progress, list(extras["ranks"])
-
-
-def load_model_and_optimizer(fabric: Fabric, path: Path, module: Any, optimizer: Any) -> None:
-    """Load a checkpoint's model and optimizer, also written by a run with another strategy or number of processes:
-    a sharded (fsdp) checkpoint into a model that is not sharded is read whole (Lightning reads a whole checkpoint
-    into shards itself, and a sharded one into shards of another number of processes). A collective."""
-    model = module.module
-    if not (path.is_dir() and not is_sharded(model)):
-        fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)
-        return
-    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as folder:  # 0o700
-        whole = Path(folder) / "whole.pt"
-        dcp_to_torch_save(path, whole)  # its parts were checked as data before any process started
-        state = load_data(whole)
-    model.load_state_dict(state["model"])
-    set_optimizer_state_dict(model, optimizer.optimizer, optim_state_dict=state["optimizer"])
+    return progress, list(extras["ranks"]), dict(extras.get("job", {}))
 
 
 def keep_loss_rows_up_to(loss_file: Path, epoch: int) -> None:

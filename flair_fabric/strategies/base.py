@@ -3,9 +3,11 @@
 A :class:`TrainingStrategy` places and wraps the model and builds the optimizer (:meth:`~TrainingStrategy.set_up`),
 gives the model to evaluate with (:meth:`~TrainingStrategy.model_for_inference`), says whether its engine clips
 gradients itself, refuses the run arguments it cannot train with (:meth:`~TrainingStrategy.check_run`) and hands the
-caller's model the trained weights at the end (:meth:`~TrainingStrategy.hand_back`).
+caller's model the trained weights at the end (:meth:`~TrainingStrategy.hand_back`); it gathers and scatters whole
+weights for model files and loads checkpoints.
 
-:class:`StartsProcesses` is what flair-fabric's own Fabric strategies share: how they start their processes.
+:class:`StartsProcesses` is what flair-fabric's own Fabric strategies share: their names, how they start their
+processes, whether a notebook can start them.
 """
 
 from __future__ import annotations
@@ -14,22 +16,31 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, ClassVar, Literal
 
 import flair
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule
+from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+from flair_fabric.state.safe_loading import load_data
+from flair_fabric.strategies.sharded_state import read_distributed_checkpoint_whole
 
 StartMethod = Literal["popen", "spawn", "fork"]
 START_METHODS: tuple[StartMethod, ...] = ("popen", "spawn", "fork")
 
 
 class StartsProcesses:
-    """How one of flair-fabric's strategies starts its processes: ``"popen"`` relaunches the script once per extra
-    device; ``"spawn"`` and ``"fork"`` start workers from inside ``train`` (the caller's model then receives the
-    trained weights)."""
+    """What flair-fabric's own Fabric strategies share: the names they are chosen by, and how they start their
+    processes. ``"popen"`` relaunches the script once per extra device; ``"spawn"`` and ``"fork"`` start workers from
+    inside ``train`` (the caller's model then receives the trained weights).
 
+    ``NAMES`` maps each ``strategy=`` name the class serves to the constructor options it means (Lightning's
+    registry pattern): a new strategy is one class with its names, in its own module."""
+
+    NAMES: ClassVar[dict[str, dict[str, Any]]] = {}
     start_method: StartMethod
 
     @staticmethod
@@ -46,6 +57,15 @@ class StartsProcesses:
         """Whether ``train`` itself starts the worker processes (spawn, fork) rather than relaunching the script."""
         return self.start_method != "popen"
 
+    @property
+    def is_interactive_compatible(self) -> bool:
+        """Whether the processes can be started from a notebook or REPL (only forked workers can)."""
+        return self.start_method == "fork"
+
+    def training_part(self) -> TrainingStrategy:
+        """The strategy's part in flair's training loop."""
+        raise NotImplementedError
+
 
 @dataclass
 class Prepared:
@@ -60,28 +80,41 @@ MakeOptimizer = Callable[[flair.nn.Model], torch.optim.Optimizer]
 BeforeWrapping = Callable[[torch.optim.Optimizer], None]
 
 
+@dataclass(frozen=True)
+class SetUp:
+    """What a strategy is given to set a run up (on every rank)."""
+
+    fabric: Fabric
+    model: flair.nn.Model
+    make_optimizer: MakeOptimizer
+    """flair's optimizer for a model (built over the parameters the strategy trains: shards under FSDP)."""
+    probe_batch: list
+    """A train mini-batch (at most one chunk of it) for decisions taken before wrapping."""
+    before_wrapping: BeforeWrapping
+    """Called with the optimizer before the model is wrapped (flair's vocabulary reduction)."""
+    max_grad_norm: float | None
+
+
 class TrainingStrategy(ABC):
     """One strategy's part in flair's training loop."""
 
     clips_gradients_in_engine = False
     """Whether the engine clips gradients itself (DeepSpeed, from its config); the loop then does not."""
+    shards_training_state = False
+    """Whether parameters or optimizer state are split across the ranks (FSDP, DeepSpeed)."""
 
     def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
-        """Refuse, before any process starts, run arguments this strategy cannot train with (none by default)."""
-        return None
+        """Refuse, before any process starts, run arguments this strategy cannot train with."""
+        if reduces_vocabulary and self.shards_training_state:
+            raise ValueError(
+                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
+                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
+                " leave the vocabulary as it is."
+            )
 
     @abstractmethod
-    def set_up(
-        self,
-        fabric: Fabric,
-        model: flair.nn.Model,
-        make_optimizer: MakeOptimizer,
-        *,
-        probe_batch: list,
-        before_wrapping: BeforeWrapping,
-        max_grad_norm: float | None,
-    ) -> Prepared:
-        """Place and wrap ``model`` and build its optimizer (on every rank)."""
+    def set_up(self, run: SetUp) -> Prepared:
+        """Place and wrap the model and build its optimizer (on every rank)."""
 
     def model_for_inference(self, model: flair.nn.Model) -> contextlib.AbstractContextManager[flair.nn.Model]:
         """The model to evaluate with while ``model`` trains (a collective for a sharded model)."""
@@ -94,3 +127,32 @@ class TrainingStrategy(ABC):
     def hand_back(self, model: flair.nn.Model) -> flair.nn.Model:
         """At the end: the caller's model, holding the trained weights (a collective for a sharded model)."""
         return model
+
+    def whole_weights(self, model: flair.nn.Model) -> dict[str, torch.Tensor] | None:
+        """The whole weights of the model being trained, for global rank 0 to write into a flair model file;
+        ``None``: the model holds them itself. A collective for a sharded model (every rank calls it)."""
+        return None
+
+    def load_whole_weights(self, fabric: Fabric, model: flair.nn.Model, state: dict[str, torch.Tensor] | None) -> None:
+        """Load global rank 0's whole weights ``state`` (``None`` on the other ranks) into ``model`` on every rank. A
+        collective."""
+        state = fabric.broadcast(state, src=0)
+        assert state is not None
+        model.load_state_dict(state)
+
+    def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
+        """Load a checkpoint's model and optimizer (``fabric.save``'s ``state.ckpt``), also one a sharded run wrote
+        (a PyTorch distributed checkpoint folder: read whole). Global rank 0 reads it (as data only) and every rank
+        gets it over the process group, so the other machines need no copy of the file. A collective."""
+        sharded = path.is_dir()  # its optimizer state is keyed by parameter names, not by positions
+        state = None
+        if fabric.is_global_zero:
+            state = read_distributed_checkpoint_whole(path) if sharded else load_data(path)
+        if fabric.world_size > 1:
+            state = fabric.broadcast(state, src=0)
+        assert state is not None
+        module.module.load_state_dict(state["model"])
+        if sharded:
+            set_optimizer_state_dict(module.module, optimizer.optimizer, optim_state_dict=state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])

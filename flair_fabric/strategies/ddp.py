@@ -10,7 +10,8 @@ has such parameters, and only then pays for the search.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal, cast
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, cast
 
 import flair
 import torch
@@ -20,14 +21,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
-from flair_fabric.strategies.base import (
-    BeforeWrapping,
-    MakeOptimizer,
-    Prepared,
-    StartMethod,
-    StartsProcesses,
-    TrainingStrategy,
-)
+from flair_fabric.strategies.base import Prepared, SetUp, StartMethod, StartsProcesses, TrainingStrategy
 from flair_fabric.strategies.compression import GradientCompression, checked_compression, register_compression
 from flair_fabric.strategies.probing import parameters_without_gradient
 
@@ -52,6 +46,20 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
         **kwargs: Any other :class:`DDPStrategy` argument (``timeout``, 10 minutes by default;
             ``process_group_backend``; DDP options such as ``static_graph``).
     """
+
+    NAMES: ClassVar[dict[str, dict[str, Any]]] = {
+        "ddp": {"start_method": "popen"},
+        "ddp_spawn": {"start_method": "spawn"},
+        "ddp_fork": {"start_method": "fork"},
+        "ddp_notebook": {"start_method": "fork"},
+    }
+
+    @classmethod
+    def from_name(
+        cls, name: str, *, interactive: bool, timeout: timedelta, accelerator: str, find_unused: FindUnused
+    ) -> FlairDDPStrategy:
+        """The strategy ``strategy=name`` means."""
+        return cls(**cls.NAMES[name], timeout=timeout, find_unused_parameters=find_unused)
 
     def __init__(
         self,
@@ -116,20 +124,12 @@ def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch
 class DataParallel(TrainingStrategy):
     """DDP (or one device): the model is placed, probed for unused parameters, wrapped; then the optimizer."""
 
-    def set_up(
-        self,
-        fabric: Fabric,
-        model: flair.nn.Model,
-        make_optimizer: MakeOptimizer,
-        *,
-        probe_batch: list,
-        before_wrapping: BeforeWrapping,
-        max_grad_norm: float | None,
-    ) -> Prepared:
+    def set_up(self, run: SetUp) -> Prepared:
+        fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         fabric.to_device(model)
         optimizer = make_optimizer(model)
-        before_wrapping(optimizer)  # e.g. flair's vocabulary reduction, on every rank before DDP sees the parameters
-        resolve_unused_parameters(fabric, model, probe_batch)
+        run.before_wrapping(optimizer)  # flair's vocabulary reduction, on every rank before DDP sees the parameters
+        resolve_unused_parameters(fabric, model, run.probe_batch)
         module = fabric.setup_module(model)
         module.mark_forward_method("forward_loss")
         return Prepared(module, cast(torch.optim.Optimizer, fabric.setup_optimizers(optimizer)), model)

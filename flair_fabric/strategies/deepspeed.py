@@ -4,11 +4,15 @@ partitions the parameters, so flair could neither predict nor save with them: re
 
 from __future__ import annotations
 
-import flair
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy
+from lightning.fabric.wrappers import _FabricModule
 
-from flair_fabric.strategies.base import BeforeWrapping, MakeOptimizer, Prepared, TrainingStrategy
+from flair_fabric.strategies.base import Prepared, SetUp, TrainingStrategy
 
 
 def deepspeed_is_installed() -> bool:
@@ -44,39 +48,51 @@ def check_deepspeed(strategy: DeepSpeedStrategy, accelerator: str) -> DeepSpeedS
     return strategy
 
 
+class FlairDeepSpeedStrategy(DeepSpeedStrategy):
+    """Fabric's :class:`~lightning.fabric.strategies.DeepSpeedStrategy` (ZeRO stage 1 or 2, CUDA only), chosen by
+    ``strategy="deepspeed"``, ``"deepspeed_stage_1"`` or ``"deepspeed_stage_2"``; any ``DeepSpeedStrategy(...)``
+    object of stage 1 or 2 works the same way."""
+
+    NAMES: ClassVar[dict[str, dict[str, Any]]] = {
+        "deepspeed": {"stage": 2},
+        "deepspeed_stage_1": {"stage": 1},
+        "deepspeed_stage_2": {"stage": 2},
+    }
+
+    @classmethod
+    def from_name(
+        cls, name: str, *, interactive: bool, timeout: timedelta, accelerator: str, find_unused: Any
+    ) -> FlairDeepSpeedStrategy:
+        """The strategy ``strategy=name`` means; the package and the GPU are checked first (Lightning's constructor
+        needs the package)."""
+        require_deepspeed(accelerator)
+        return cls(**cls.NAMES[name], timeout=timeout)
+
+
 class DeepSpeed(TrainingStrategy):
     """DeepSpeed ZeRO stage 1/2: the parameters stay whole, so flair saves and predicts with them as usual."""
 
     clips_gradients_in_engine = True
+    shards_training_state = True
 
     def __init__(self, strategy: DeepSpeedStrategy) -> None:
         self.strategy = strategy
 
     def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
-        if reduces_vocabulary:
-            raise ValueError(
-                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
-                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
-                " leave the vocabulary as it is."
-            )
+        super().check_run(reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=mini_batch_chunk_size)
         if mini_batch_chunk_size is not None:
             raise ValueError(
                 "mini_batch_chunk_size cannot be used with strategy='deepspeed' (its engine steps on every backward):"
                 " set DeepSpeed's gradient accumulation instead, or use strategy='fsdp'."
             )
 
-    def set_up(
-        self,
-        fabric: Fabric,
-        model: flair.nn.Model,
-        make_optimizer: MakeOptimizer,
-        *,
-        probe_batch: list,
-        before_wrapping: BeforeWrapping,
-        max_grad_norm: float | None,
-    ) -> Prepared:
+    def set_up(self, run: SetUp) -> Prepared:
+        fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         assert self.strategy.config is not None
-        self.strategy.config["gradient_clipping"] = max_grad_norm or 0.0
+        self.strategy.config["gradient_clipping"] = run.max_grad_norm or 0.0
         module, optimizer = fabric.setup(model, make_optimizer(model))
         module.mark_forward_method("forward_loss")
         return Prepared(module, optimizer, model)
+
+    def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
+        fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)  # DeepSpeed's own folder

@@ -16,7 +16,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Generic, TypeVar, cast
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import flair
 import torch
@@ -24,6 +25,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.wrappers import _FabricModule
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -35,17 +37,10 @@ from torch.distributed.fsdp import (
 )
 from torch.nn import Module
 
-from flair_fabric.distributed.sharded_state import held_bytes
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
 from flair_fabric.state.model_state import copy_model
-from flair_fabric.strategies.base import (
-    BeforeWrapping,
-    MakeOptimizer,
-    Prepared,
-    StartMethod,
-    StartsProcesses,
-    TrainingStrategy,
-)
+from flair_fabric.strategies.base import Prepared, SetUp, StartMethod, StartsProcesses, TrainingStrategy
+from flair_fabric.strategies.sharded_state import full_state_dict, held_bytes, load_full_state_dict
 
 log = logging.getLogger("flair")
 
@@ -85,6 +80,15 @@ class FlairFSDPStrategy(StartsProcesses, ModelParallelStrategy):
         timeout: how long a collective waits for the other processes (default: 10 minutes).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default the one for the device.
     """
+
+    NAMES: ClassVar[dict[str, dict[str, Any]]] = {"fsdp": {}}
+
+    @classmethod
+    def from_name(
+        cls, name: str, *, interactive: bool, timeout: timedelta, accelerator: str, find_unused: Any
+    ) -> FlairFSDPStrategy:
+        """``strategy="fsdp"``: processes start as with ``"ddp"`` (forked workers in a notebook)."""
+        return cls(start_method="fork" if interactive else "popen", timeout=timeout)
 
     def __init__(
         self,
@@ -259,27 +263,13 @@ class Sharded(TrainingStrategy):
     """FSDP: a copy of the caller's model is sharded and trained; the caller's model evaluates with the whole current
     weights and gets the trained ones at the end (see :class:`ShardedCopy`)."""
 
+    shards_training_state = True
+
     def __init__(self) -> None:
         self.copy: ShardedCopy[flair.nn.Model] | None = None
 
-    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
-        if reduces_vocabulary:
-            raise ValueError(
-                "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
-                " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
-                " leave the vocabulary as it is."
-            )
-
-    def set_up(
-        self,
-        fabric: Fabric,
-        model: flair.nn.Model,
-        make_optimizer: MakeOptimizer,
-        *,
-        probe_batch: list,
-        before_wrapping: BeforeWrapping,
-        max_grad_norm: float | None,
-    ) -> Prepared:
+    def set_up(self, run: SetUp) -> Prepared:
+        fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         self.copy = ShardedCopy(model)
         working = self.copy.working_model
         module = fabric.setup_module(working)
@@ -298,3 +288,12 @@ class Sharded(TrainingStrategy):
     def hand_back(self, model: flair.nn.Model) -> flair.nn.Model:
         assert self.copy is not None
         return self.copy.hand_back()
+
+    def whole_weights(self, model: flair.nn.Model) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(model)  # gathered to global rank 0
+
+    def load_whole_weights(self, fabric: Fabric, model: flair.nn.Model, state: dict[str, torch.Tensor] | None) -> None:
+        load_full_state_dict(model, state or {})  # scattered from global rank 0 into the shards
+
+    def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
+        fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)  # whole or sharded: Lightning

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,73 +23,137 @@ from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 from flair.training_utils import EmbeddingStorageMode
 
+from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
 
-ADDED_PARAMETERS = [
-    inspect.Parameter("accelerator", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="str"),
-    inspect.Parameter("devices", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="DevicesArgument"),
-    inspect.Parameter("num_nodes", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
-    inspect.Parameter("strategy", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation="StrategyArgument"),
-    inspect.Parameter("precision", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[str]"),
-    inspect.Parameter("progress_bar", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[bool]"),
-    inspect.Parameter("checkpoint_every_n_epochs", inspect.Parameter.KEYWORD_ONLY, default=0, annotation="int"),
-    inspect.Parameter(
-        "checkpoint_every_n_steps", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[int]"
-    ),
-    inspect.Parameter(
-        "checkpoint_every_n_minutes", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Optional[float]"
-    ),
-    inspect.Parameter("keep_checkpoints", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int"),
-    inspect.Parameter(
-        "requeue_signal",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=signal.SIGUSR1,
-        annotation="Union[signal.Signals, str, None]",
-    ),
-    inspect.Parameter("resume_from", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[str, Path, None]"),
-    inspect.Parameter(
-        "collective_timeout", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Union[float, timedelta, None]"
-    ),
-    inspect.Parameter("balance_batches", inspect.Parameter.KEYWORD_ONLY, default=True, annotation="bool"),
-]
 
-ADDED_DOC = """
-        Lightning arguments (keyword only), added by FabricTrainer:
-            accelerator: "auto", "cpu", "cuda", "gpu" or "mps".
-            devices: devices per node: an int, -1 for all, "auto", or a list of device indices.
-            num_nodes: number of machines.
-            strategy: "auto", "ddp" (script relaunch), "ddp_spawn", "ddp_fork", "ddp_notebook", "fsdp" (sharded
-                parameters, gradients and optimizer state), "deepspeed" (ZeRO stage 2, CUDA only), or a
-                FlairDDPStrategy(...), FlairFSDPStrategy(...) or DeepSpeedStrategy(...) object.
-            precision: "32-true" (default), "bf16-mixed", "bf16-true", "16-mixed" (GPU), "16-true" (GPU), "64-true".
-            progress_bar: a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).
-            checkpoint_every_n_epochs: save the complete training state to base_path/checkpoints/ every n epochs
-                (0: never).
-            checkpoint_every_n_steps: also every n optimizer steps, inside epochs (a resume continues at the next
-                batch).
-            checkpoint_every_n_minutes: also every n minutes (global rank 0's clock, agreed by all ranks).
-            keep_checkpoints: how many of the newest complete checkpoints to keep.
-            requeue_signal: the signal that means "preempted" (SLURM's --signal=USR1@120): every rank stops at the
-                next agreement point, a checkpoint is written, the job is requeued (scontrol) or exits with code 75.
-                None: no such signal.
-            resume_from: continue from a checkpoint: its folder, or "auto" for the newest in base_path/checkpoints
-                (the default when torchrun restarted the job).
-            collective_timeout: how long a rank waits in a collective for the others before the job ends with an
-                error that says where (seconds or a timedelta; default 10 minutes). Saves and other work of global
-                rank 0 alone are not limited by it.
-            balance_batches: several processes with DDP: deal each step's data points to the ranks so that the rank with
-                the longest sentences gets fewer (the same points per step, the same gradient up to the order of
-                additions); False, and always with FSDP or DeepSpeed: strided shards of equal size.
-"""
+def _about(meaning: str, accepted: str, doc: str) -> dict[str, str]:
+    """An option's description: its meaning and accepted values (the README's table), its docstring line."""
+    return {"meaning": meaning, "accepted": accepted, "doc": doc}
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """flair-fabric's own training arguments, as the caller gave them (checked when the run's arguments are bound).
+
+    Declared once: the signatures of ``train``, ``fine_tune`` and ``train_custom``, their docstring and the README's
+    argument table come from these fields (``tests/training/test_arguments.py`` holds the README to them)."""
+
+    progress_bar: bool | None = field(
+        default=None,
+        metadata=_about(
+            "a bar per epoch on global rank 0; `None`: in a terminal or a notebook",
+            "`None`, `True`, `False`",
+            "a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).",
+        ),
+    )
+    checkpoint_every_n_epochs: int = field(
+        default=0,
+        metadata=_about(
+            "save the complete training state to `base_path/checkpoints/` every n epochs",
+            "int >= 0",
+            "save the complete training state to base_path/checkpoints/ every n epochs (0: never).",
+        ),
+    )
+    checkpoint_every_n_steps: int | None = field(
+        default=None,
+        metadata=_about(
+            "also every n optimizer steps, inside epochs: a resume continues at the next batch",
+            "int >= 1",
+            "also every n optimizer steps, inside epochs (a resume continues at the next batch).",
+        ),
+    )
+    checkpoint_every_n_minutes: float | None = field(
+        default=None,
+        metadata=_about(
+            "also every n minutes of global rank 0's clock",
+            "a positive number",
+            "also every n minutes (global rank 0's clock, agreed by all ranks).",
+        ),
+    )
+    keep_checkpoints: int = field(
+        default=1,
+        metadata=_about(
+            "how many of the newest complete checkpoints are kept",
+            "int >= 1",
+            "how many of the newest complete checkpoints to keep.",
+        ),
+    )
+    requeue_signal: signal.Signals | str | None = field(
+        default=signal.SIGUSR1,
+        metadata=_about(
+            '"preempted": every rank stops, a checkpoint is written, the job is requeued (`scontrol`) or exits with'
+            " code 75",
+            "a signal, its name, `None`",
+            'the signal that means "preempted" (SLURM\'s --signal=USR1@120): every rank stops at the next'
+            " agreement point, a checkpoint is written, the job is requeued (scontrol) or exits with code 75. None:"
+            " no such signal.",
+        ),
+    )
+    resume_from: str | Path | None = field(
+        default=None,
+        metadata=_about(
+            'continue a run exactly from a checkpoint, also mid-epoch; `"auto"`: the run\'s newest (the default'
+            " after a torchrun restart)",
+            '`None`, `"auto"`, a checkpoint folder',
+            'continue from a checkpoint: its folder, or "auto" for the newest in base_path/checkpoints (the'
+            " default when torchrun restarted the job).",
+        ),
+    )
+    balance_batches: bool = field(
+        default=True,
+        metadata=_about(
+            "several processes with DDP (FSDP and DeepSpeed keep strided shards): each step's data points are dealt"
+            " to the ranks so that the rank with the longest sentences gets fewer (the same points per step, the"
+            " same gradient up to the order of additions); `False`: strided shards of equal size",
+            "`True`, `False`",
+            "several processes with DDP: deal each step's data points to the ranks so that the rank with the"
+            " longest sentences gets fewer (the same points per step, the same gradient up to the order of"
+            " additions); False, and always with FSDP or DeepSpeed: strided shards of equal size.",
+        ),
+    )
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The option names, in order."""
+        return [each.name for each in fields(cls)]
+
+
+_ANNOTATIONS = {
+    "devices": "DevicesArgument",
+    "strategy": "StrategyArgument",
+    "precision": "Optional[str]",
+    "collective_timeout": "Union[float, timedelta, None]",
+    "progress_bar": "Optional[bool]",
+    "checkpoint_every_n_steps": "Optional[int]",
+    "checkpoint_every_n_minutes": "Optional[float]",
+    "requeue_signal": "Union[signal.Signals, str, None]",
+    "resume_from": "Union[str, Path, None]",
+}
+ADDED_PARAMETERS = [
+    inspect.Parameter(
+        each.name, inspect.Parameter.KEYWORD_ONLY, default=each.default, annotation=_ANNOTATIONS.get(each.name, "Any")
+    )
+    for record in (LightningArguments, TrainingOptions)
+    for each in fields(record)
+]
+"""The keyword-only parameters FabricTrainer adds to flair's: Lightning's, then flair-fabric's."""
+
+ADDED_DOC = (
+    "\n        Lightning arguments (keyword only), added by FabricTrainer:\n"
+    + "".join(f"            {each.name}: {each.metadata['cli']}.\n" for each in fields(LightningArguments))
+    + "        flair-fabric's training arguments (keyword only):\n"
+    + "".join(f"            {each.name}: {each.metadata['doc']}\n" for each in fields(TrainingOptions))
+)
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
 def with_flair_signature(flair_method: Callable[..., Any]) -> Callable[[Method], Method]:
-    """Show flair's parameters plus Lightning's in ``help()`` and IDEs for a method that forwards ``**kwargs``."""
+    """Show flair's parameters plus the added ones in ``help()`` and IDEs for a method that forwards ``**kwargs``."""
     flair_signature = inspect.signature(flair_method)
     positional = [p for p in flair_signature.parameters.values() if p.kind != p.VAR_KEYWORD]
     var_keyword = [p for p in flair_signature.parameters.values() if p.kind == p.VAR_KEYWORD]
@@ -102,6 +166,13 @@ def with_flair_signature(flair_method: Callable[..., Any]) -> Callable[[Method],
         return method
 
     return decorate
+
+
+def split_added_arguments(kwargs: dict[str, Any]) -> tuple[LightningArguments, TrainingOptions, dict[str, Any]]:
+    """Lightning's and flair-fabric's arguments out of ``train_custom``'s keyword arguments; the rest is flair's."""
+    lightning = {name: kwargs.pop(name) for name in LightningArguments.names() if name in kwargs}
+    options = {name: kwargs.pop(name) for name in TrainingOptions.names() if name in kwargs}
+    return LightningArguments(**lightning), TrainingOptions(**options), kwargs
 
 
 @dataclass(frozen=True)

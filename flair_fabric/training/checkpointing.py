@@ -9,16 +9,18 @@ import os
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flair_fabric.distributed.fingerprints import model_fingerprint
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
+from flair_fabric.state.run_state import EpochEnd, ResumePoint
 from flair_fabric.state.training_state import (
     keep_loss_rows_up_to,
     load_training_state,
+    plugin_schedulers,
     rng_state,
     save_training_state,
     set_rng_state,
@@ -26,8 +28,9 @@ from flair_fabric.state.training_state import (
 from flair_fabric.training.sampling import epoch_order, epoch_order_of_one_process
 
 if TYPE_CHECKING:
+    from flair_fabric.distributed.lockstep import Agreed
     from flair_fabric.training.loss import LossTracker
-    from flair_fabric.training.run import TrainingRun
+    from flair_fabric.training.run_interface import Run
 
 log = logging.getLogger("flair")
 
@@ -36,30 +39,18 @@ class Preempted(BaseException):
     """The ranks agreed on a preemption signal; the checkpoint is written. Ends the run for a requeue."""
 
 
-@dataclass
-class ResumePoint:
-    """Where a resumed run continues inside an epoch, and what the run that wrote the checkpoint had of it."""
-
-    step_in_epoch: int
-    epoch_position: int
-    every_rank: list[dict[str, Any]]
-    same_processes: bool
-
-
 class Checkpointing:
     """A run's checkpoints: triggers, saving with each rank's own state, resuming."""
 
-    def __init__(self, run: TrainingRun) -> None:
+    def __init__(self, run: Run) -> None:
         self.run = run
         self.policy = run.arguments.checkpoints
-        self.last_saved = time.monotonic()
-        self.epoch_start_rng: dict[str, Any] | None = None  # decides the epoch's order in one process
 
     # --- triggers -----------------------------------------------------------------------------------------------
 
     def at_epoch_start(self) -> None:
         """Remember the generators that decide this epoch's order (in one process: flair's loader draws it)."""
-        self.epoch_start_rng = rng_state()
+        self.run.progress.epoch_start_generators = rng_state()
 
     def due_after_step(self, batch_count: int) -> bool:
         """A checkpoint by steps: the same decision on every rank, no collective."""
@@ -68,8 +59,27 @@ class Checkpointing:
     def watch_the_clock(self) -> None:
         """Global rank 0 asks for a checkpoint when its clock says so; the ranks take it at their next agreement."""
         minutes = self.policy.every_n_minutes
-        if minutes and self.run.fabric.is_global_zero and time.monotonic() - self.last_saved >= minutes * 60:
+        clock = time.monotonic() - self.run.progress.last_checkpoint
+        if minutes and self.run.fabric.is_global_zero and clock >= minutes * 60:
             self.run.lockstep.request_checkpoint()
+
+    def after_step(self, agreed: Agreed | None, epoch_loss: LossTracker, last: bool) -> None:
+        """Take a checkpoint if one is due after this step: by steps, by rank 0's clock or for a preemption (agreed
+        by all ranks); after a preemption, end the run for its requeue. One due after an epoch's last step is taken
+        when the epoch is complete (evaluated), as an epoch's checkpoint."""
+        progress = self.run.progress
+        self.watch_the_clock()
+        by_agreement = agreed is not None and agreed.checkpoint
+        if not (self.due_after_step(progress.batch_count) or by_agreement):
+            return
+        preempted = agreed.preempted if agreed is not None else None
+        if last:
+            progress.epoch_end = EpochEnd.PREEMPTED if preempted else EpochEnd.CHECKPOINT
+            progress.preempted_by = preempted
+            return
+        self.save(epoch_loss)
+        if preempted:
+            raise Preempted(preempted)
 
     def due_after_epoch(self, epoch: int) -> bool:
         """A checkpoint by epochs."""
@@ -85,7 +95,7 @@ class Checkpointing:
         run.position.at("saving the training state", progress.epoch + (1 if progress.step_in_epoch else 0))
         progress.model_fingerprint = model_fingerprint(run.strategy.caller_model(run.trainer.model))
         rank_state = {
-            "epoch_start_rng": self.epoch_start_rng,
+            "epoch_start_rng": progress.epoch_start_generators,
             "loss_sum": float(epoch_loss.loss_sum) if epoch_loss is not None else 0.0,
             "data_points": epoch_loss.data_points if epoch_loss is not None else 0,
         }
@@ -95,24 +105,23 @@ class Checkpointing:
             run.base_path,
             run.module,
             trainer.optimizer,
-            trainer.plugins,
+            plugin_schedulers(trainer.plugins),
             progress,
             rank_state,
             self.policy.keep,
         )
-        self.last_saved = time.monotonic()
+        progress.last_checkpoint = time.monotonic()
         where = f"step {progress.step_in_epoch} of epoch {progress.epoch + 1}" if progress.step_in_epoch else ""
         log.info(f"saved the training state after {where or f'epoch {progress.epoch}'} to {folder}")
 
     # --- resuming -----------------------------------------------------------------------------------------------
 
-    def resume(self) -> ResumePoint:
-        """Load the checkpoint the run continues from into model, optimizer, schedulers and progress."""
+    def resume(self, folder: Path) -> ResumePoint:
+        """Load the checkpoint in ``folder`` into model, optimizer, schedulers and progress."""
         run = self.run
-        folder = run.arguments.resume_folder
-        assert folder is not None
         trainer = run.trainer
-        saved, every_rank = load_training_state(run.fabric, folder, run.module, trainer.optimizer, trainer.plugins)
+        run.strategy.load_checkpoint(run.fabric, folder / "state.ckpt", run.module, trainer.optimizer)
+        saved, every_rank, _ = load_training_state(run.fabric, folder, plugin_schedulers(trainer.plugins))
         progress = run.progress
         progress.epoch, progress.batch_count = saved.epoch, saved.batch_count
         progress.best_epoch_score, progress.seed = saved.best_epoch_score, saved.seed
@@ -160,7 +169,7 @@ class Checkpointing:
 
     def _epoch_order_as_written(self, point: ResumePoint, epoch: int) -> list[int]:
         run, a = self.run, self.run.flair_arguments
-        shuffle = run.data.shuffle and not (not a.shuffle_first_epoch and epoch == 1)
+        shuffle = run.shuffles(epoch)
         if len(point.every_rank) > 1:
             n = run.data.size
             return epoch_order(n, shuffle=shuffle, sampler=run.data.sampler, seed=run.progress.seed, epoch=epoch - 1)

@@ -13,12 +13,12 @@ from torch.utils.data import Dataset
 from flair_fabric.evaluation.sharded import evaluate_across_ranks
 
 if TYPE_CHECKING:
-    from flair_fabric.training.run import TrainingRun
+    from flair_fabric.training.run_interface import Run
 
 log = logging.getLogger("flair")
 
 
-def evaluate_epoch(run: TrainingRun, epoch: int, train_loss: float) -> None:
+def evaluate_epoch(run: Run, epoch: int, train_loss: float) -> None:
     """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
     a, trainer, progress = run.flair_arguments, run.trainer, run.progress
     trainer.model.eval()
@@ -48,12 +48,10 @@ def evaluate_epoch(run: TrainingRun, epoch: int, train_loss: float) -> None:
     run.agree_on_stopping()
     if run.data.save_best_model and is_best:
         log.info("saving best model")
-        trainer.save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
+        run.save_model(run.base_path / "best-model.pt", checkpoint=a.save_optimizer_state)
 
 
-def evaluate_split(
-    run: TrainingRun, data: Dataset, out_path: Path, embeddings_storage: bool, **overrides: Any
-) -> Result:
+def evaluate_split(run: Run, data: Dataset, out_path: Path, embeddings_storage: bool, **overrides: Any) -> Result:
     """flair's evaluation of a split, split across the ranks, with the model the strategy evaluates with."""
     a = run.flair_arguments
     options: dict[str, Any] = {
@@ -74,14 +72,14 @@ def evaluate_split(
         return evaluate_across_ranks(run.fabric, model, data, out_path=out_path, **options)
 
 
-def test_final_model(run: TrainingRun) -> None:
+def test_final_model(run: Run) -> None:
     """Load the best model on every rank (if there is one) and score the test split, as flair does."""
     a, trainer, corpus = run.flair_arguments, run.trainer, run.trainer.corpus
     best_model = run.base_path / "best-model.pt"
     if corpus.test and not a.train_with_test:
         log_line(log)
         trainer.model.eval()
-        if trainer.load_model(best_model):
+        if run.load_model(best_model):
             log.info("Loading model from best epoch ...")
         else:
             log.info("Testing using last state of model ...")
@@ -98,7 +96,7 @@ def test_final_model(run: TrainingRun) -> None:
         log_line(log)
         trainer.return_values["test_score"] = results.main_score
     else:
-        if trainer.load_model(best_model):
+        if run.load_model(best_model):
             log.info("Loading model from best epoch ...")
         trainer.return_values["test_score"] = 0
         log.info("Test data not provided setting final score to 0")

@@ -8,15 +8,10 @@ sample-weighted global mean, the same number on every rank. Nothing here synchro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 import torch
-from lightning.fabric import Fabric
 
-
-def accumulator_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it, for sums that must not lose data points."""
-    return torch.float32 if device.type == "mps" else torch.float64
+from flair_fabric.distributed.collectives import accumulator_dtype
 
 
 @dataclass(frozen=True)
@@ -49,10 +44,3 @@ class LossTracker:
     def mean(self) -> torch.Tensor:
         """This rank's mean loss as a device tensor (no synchronisation)."""
         return self.loss_sum / max(self.data_points, 1)
-
-    def global_loss(self, fabric: Fabric) -> GlobalLoss:
-        """All-reduce sum and count over all ranks (one collective); every rank gets the same answer."""
-        count = torch.tensor(self.data_points, dtype=self.loss_sum.dtype, device=self.device)
-        reduced = cast(torch.Tensor, fabric.all_reduce(torch.stack([self.loss_sum, count]), reduce_op="sum"))
-        loss_sum, data_points = reduced.tolist()
-        return GlobalLoss.of(loss_sum, data_points)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import torch
 from flair.trainers.plugins import MetricRecord, TrainingInterrupt
@@ -18,16 +19,20 @@ from flair.training_utils import log_line
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.throughput import Throughput
 
-from flair_fabric.distributed.fingerprints import check_ranks_agree
+from flair_fabric.distributed.fingerprints import check_ranks_agree, corpus_fingerprint, model_fingerprint
 from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
-from flair_fabric.state.progress import RunProgress
+from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
+from flair_fabric.state.run_state import EpochEnd, RunState
+from flair_fabric.state.training_state import resume_folder_of_global_zero
 from flair_fabric.strategies import keeps_whole_model, training_strategy
+from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
-from flair_fabric.training.checkpointing import Checkpointing, Preempted, ResumePoint
+from flair_fabric.training.checkpointing import Checkpointing, Preempted
 from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
+from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.participation import Participation, find_stand_in_batch
 from flair_fabric.training.progress_bar import EpochProgressBar
@@ -48,9 +53,6 @@ from flair_fabric.training.setup import (
 )
 from flair_fabric.training.step import train_step
 
-if TYPE_CHECKING:
-    from flair_fabric.trainer import FabricTrainer
-
 log = logging.getLogger("flair")
 
 AGREE_EVERY = 20
@@ -61,17 +63,17 @@ a preemption signal is taken within seconds, at the cost of one small all-reduce
 class TrainingRun:
     """flair's training loop on one rank, with Fabric doing devices, wrapping, precision and collectives."""
 
-    def __init__(self, trainer: FabricTrainer, fabric: Fabric, arguments: TrainArguments) -> None:
+    def __init__(
+        self, trainer: FlairTrainer, fabric: Fabric, arguments: TrainArguments, position: Position | None = None
+    ) -> None:
         self.trainer, self.fabric, self.arguments = trainer, fabric, arguments
         self.flair_arguments = arguments.flair
         self.base_path = arguments.flair.base_path
         self.strategy = training_strategy(fabric.strategy)
-        self.position = Position()  # where this rank is, for the error a stalled collective raises
-        self.lockstep = Lockstep(fabric)  # where the ranks agree on stops and checkpoints (no collective in one)
-        self.progress = RunProgress(arguments.start_epoch, 0, 0.0, 0, fabric.world_size)
+        self.position = position or Position()  # where this rank is, for the error a stalled collective raises
+        self.progress = RunState(arguments.start_epoch, 0, 0.0, 0, fabric.world_size)  # the one record of the run
+        self.lockstep = Lockstep(fabric, self.progress.flags)  # where the ranks agree (no collective in one process)
         self.checkpointing = Checkpointing(self)
-        self.resume_point: ResumePoint | None = None
-        self.at_epoch_end: str | None = None  # a checkpoint due at the epoch's end ("" or the preemption's reason)
         self.dynamic_embeddings: list[str] | None = None
         self.lengths: list[int] | None = None  # per data point, when each step is dealt to the ranks by length
 
@@ -96,12 +98,13 @@ class TrainingRun:
                 self.plugins,
                 dealt_by_length=self.lengths is not None,
             )
-            if self.arguments.resume_folder is not None:
-                self.resume_point = self.checkpointing.resume()
+            resume_folder = resume_folder_of_global_zero(self.fabric, self.arguments.resume_folder)
+            if resume_folder is not None:
+                self.progress.resume = self.checkpointing.resume(resume_folder)
             preemption = self.arguments.checkpoints.requeue_signal
             with graceful_interrupts(self.on_signal, self.lockstep.preempt, preemption):
                 self.fit()
-            self.test()
+            test_final_model(self)
             trainer.model = self.strategy.hand_back(trainer.model)
         trainer.dispatch("after_training")
         return_values = self.fabric.broadcast(trainer.return_values, src=0)
@@ -111,7 +114,9 @@ class TrainingRun:
     def set_up(self) -> dict[str, Any]:
         """flair's set-up, in flair's order: plugins, model card, data, evaluation splits, model and optimizer."""
         fabric, trainer, a = self.fabric, self.trainer, self.flair_arguments
-        check_ranks_agree(fabric, trainer.corpus, trainer.model)
+        check_ranks_agree(
+            fabric, {"corpus": corpus_fingerprint(trainer.corpus), "model": model_fingerprint(trainer.model)}
+        )
         base_path_ready(self.base_path)
         self.plugins = attach_plugins(trainer, fabric, self.arguments)
         training_parameters = self.arguments.training_parameters(self.plugins)
@@ -127,12 +132,14 @@ class TrainingRun:
         )
         probe = stand_in or [self.data.train[i] for i in range(min(a.mini_batch_size, self.data.size))]
         prepared = self.strategy.set_up(
-            fabric,
-            trainer.model,
-            lambda model: make_optimizer(model, a),
-            probe_batch=probe,
-            before_wrapping=self._before_wrapping,
-            max_grad_norm=a.max_grad_norm,
+            SetUp(
+                fabric,
+                trainer.model,
+                lambda model: make_optimizer(model, a),
+                probe,
+                self._before_wrapping,
+                a.max_grad_norm,
+            )
         )
         self.module, trainer.optimizer, trainer.model = prepared.module, prepared.optimizer, prepared.model
         self.participation = Participation(trainer.model, stand_in) if fabric.world_size > 1 else None
@@ -164,16 +171,16 @@ class TrainingRun:
                 log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
                 trainer.dispatch("after_training_epoch", epoch=epoch)
                 self.agree_on_stopping()
-                self.evaluate(epoch, train_loss)
+                evaluate_epoch(self, epoch, train_loss)
                 self.progress.epoch = epoch
-                if self.checkpointing.due_after_epoch(epoch) or self.at_epoch_end is not None:
+                epoch_end, self.progress.epoch_end = self.progress.epoch_end, EpochEnd.NOTHING
+                if self.checkpointing.due_after_epoch(epoch) or epoch_end is not EpochEnd.NOTHING:
                     self.checkpointing.save(None)
-                if self.at_epoch_end:  # a preemption agreed at the epoch's last step
-                    raise Preempted(self.at_epoch_end)
-                self.at_epoch_end = None
+                if epoch_end is EpochEnd.PREEMPTED:  # a preemption agreed at the epoch's last step
+                    raise Preempted(self.progress.preempted_by or "preempted")
             trainer.dispatch("after_training_loop")
             if a.save_final_model:
-                trainer.save_model(final_model, checkpoint=a.save_optimizer_state)
+                self.save_model(final_model, checkpoint=a.save_optimizer_state)
         except (KeyboardInterrupt, TrainingInterrupt) as stop:
             log_line(log)
             if isinstance(stop, TrainingInterrupt):
@@ -186,7 +193,7 @@ class TrainingRun:
             trainer.dispatch("training_interrupt")
             if a.save_final_model:
                 log.info("Saving model ...")
-                trainer.save_model(final_model, checkpoint=a.save_optimizer_state)
+                self.save_model(final_model, checkpoint=a.save_optimizer_state)
             log.info("Done.")
         except Exception:
             trainer.dispatch("_training_exception")
@@ -228,7 +235,7 @@ class TrainingRun:
                     "batch_count": progress.batch_count,
                 }
                 largest = plan.largest_batches[batch_no] if plan.largest_batches is not None else len(batch)
-                batch_loss, gradient_norm = self.train_step(batch, batch_kw, largest)
+                batch_loss, gradient_norm = train_step(self, batch, batch_kw, largest)
                 step = progress.batch_count
                 if batch_loss.data_points > 0:
                     trainer._record(MetricRecord.scalar(("train", "batch_loss"), batch_loss.mean(), step))
@@ -260,7 +267,7 @@ class TrainingRun:
                     agreed = self.lockstep.agree()
                 trainer.dispatch("after_training_batch", **batch_kw)
                 bar.step()
-                self._checkpoint_after_step(agreed, epoch_loss, last=batch_no + 1 == plan.total)
+                self.checkpointing.after_step(agreed, epoch_loss, last=batch_no + 1 == plan.total)
         finally:
             bar.close()
 
@@ -272,66 +279,51 @@ class TrainingRun:
 
     def _batches_of(self, epoch: int, epoch_loss: LossTracker) -> EpochBatches:
         """This rank's batches of ``epoch``; after a mid-epoch resume only those not trained yet, never read."""
-        fabric, a, point = self.fabric, self.flair_arguments, self.resume_point
-        resumed = point is not None and point.step_in_epoch > 0
-        remaining = self.checkpointing.continue_epoch(point, epoch_loss, epoch) if resumed and point else None
+        fabric, a, progress = self.fabric, self.flair_arguments, self.progress
+        point, progress.resume = progress.resume, None
+        resumed = point if point is not None and point.step_in_epoch > 0 else None
+        remaining = self.checkpointing.continue_epoch(resumed, epoch_loss, epoch) if resumed else None
         self.checkpointing.at_epoch_start()
         plan = epoch_batches(
             self.data.train,
             mini_batch_size=a.mini_batch_size,
-            shuffle=self.data.shuffle and not (not a.shuffle_first_epoch and epoch == 1),
+            shuffle=self.shuffles(epoch),
             sampler=self.data.sampler,
             epoch=epoch,
-            seed=self.progress.seed,
+            seed=progress.seed,
             rank=fabric.global_rank,
             world_size=fabric.world_size,
-            first_step=point.step_in_epoch if resumed and point and point.same_processes else 0,
+            first_step=resumed.step_in_epoch if resumed else 0,
             remaining_order=remaining,
             lengths=self.lengths,
             chunk_size=a.mini_batch_chunk_size,
         )
-        if resumed and point:
-            if point.same_processes:  # the order is drawn: the generators where the interrupted run left them
-                self.checkpointing.after_epoch_is_drawn(point)
-            else:
-                self.progress.epoch_position = point.epoch_position
-                plan.first_step = self.progress.step_in_epoch = point.step_in_epoch
-                plan.total += point.step_in_epoch
-                skipped = [0] * point.step_in_epoch  # numbered as in the epoch the interrupted run began
-                if plan.largest_batches is not None:
-                    plan.largest_batches = skipped + plan.largest_batches
-                if plan.step_sizes is not None:
-                    plan.step_sizes = skipped + plan.step_sizes
-        self.resume_point = None
+        if resumed and resumed.same_processes:  # the order is drawn: the generators where the interrupted run left them
+            self.checkpointing.after_epoch_is_drawn(resumed)
+        elif resumed:  # the rest of the epoch, numbered as in the epoch the interrupted run began
+            progress.epoch_position, progress.step_in_epoch = resumed.epoch_position, resumed.step_in_epoch
         return plan
 
-    def _checkpoint_after_step(self, agreed: Agreed | None, epoch_loss: LossTracker, last: bool) -> None:
-        """Take a checkpoint if one is due after this step: by steps, by rank 0's clock or for a preemption (agreed
-        by all ranks); after a preemption, end the run for its requeue. One due after an epoch's last step is taken
-        when the epoch is complete (evaluated), as an epoch's checkpoint."""
-        self.checkpointing.watch_the_clock()
-        by_agreement = agreed is not None and agreed.checkpoint
-        if not (self.checkpointing.due_after_step(self.progress.batch_count) or by_agreement):
-            return
-        preempted = agreed.preempted if agreed is not None else None
-        if last:
-            self.at_epoch_end = preempted or ""
-            return
-        self.checkpointing.save(epoch_loss)
-        if preempted:
-            raise Preempted(preempted)
+    def shuffles(self, epoch: int) -> bool:
+        """Whether ``epoch``'s order is shuffled: flair's ``shuffle``, except a first epoch with
+        ``shuffle_first_epoch=False`` (and never with a sampler)."""
+        return self.data.shuffle and not (not self.flair_arguments.shuffle_first_epoch and epoch == 1)
 
-    def train_step(self, batch: list, batch_kw: dict, largest_batch: int) -> tuple[LossTracker, torch.Tensor | None]:
-        """Forward, backward, clip and step for one mini-batch (:func:`~flair_fabric.training.step.train_step`)."""
-        return train_step(self, batch, batch_kw, largest_batch)
+    # --- model files --------------------------------------------------------------------------------------------
 
-    def evaluate(self, epoch: int, train_loss: float) -> None:
-        """Score the evaluation splits, choose the best model (identically on every rank) and save it once."""
-        evaluate_epoch(self, epoch, train_loss)
+    def save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
+        """Write the model being trained once, from global rank 0 (a sharded model is gathered first). Every rank
+        calls it."""
+        self.position.at(f"saving {Path(model_file).name}")
+        weights = self.strategy.whole_weights(self.trainer.model)
+        save_on_global_zero(self.fabric, self.trainer.model, model_file, checkpoint, weights)
 
-    def test(self) -> None:
-        """Load the best model on every rank (if there is one) and score the test split, as flair does."""
-        test_final_model(self)
+    def load_model(self, model_file: str | Path) -> bool:
+        """Load ``model_file`` (read on global rank 0) into the model on every rank; whether the file existed."""
+        model = self.trainer.model
+        return load_from_global_zero(
+            self.fabric, model, model_file, lambda state: self.strategy.load_whole_weights(self.fabric, model, state)
+        )
 
     # --- agreement, checkpoints ---------------------------------------------------------------------------------
 

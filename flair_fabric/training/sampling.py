@@ -152,6 +152,17 @@ class EpochBatches:
     step_sizes: list[int] | None = None
     """Per step, the data points all ranks read (several processes; in one process: the batch's length)."""
 
+    def after(self, steps: int) -> EpochBatches:
+        """These batches numbered as the rest of an epoch whose first ``steps`` steps were trained before."""
+        skipped = [0] * steps
+        return EpochBatches(
+            self.batches,
+            self.total + steps,
+            steps + self.first_step,
+            skipped + self.largest_batches if self.largest_batches is not None else None,
+            skipped + self.step_sizes if self.step_sizes is not None else None,
+        )
+
 
 def epoch_batches(
     train_data: Dataset,
@@ -172,13 +183,15 @@ def epoch_batches(
 
     In one process the batches are flair's own loader's (same shuffling, same random numbers drawn); from
     ``first_step`` on, the loader's index batches are skipped without reading the data. ``remaining_order``: the
-    epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh.
+    epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh
+    and numbered from ``first_step`` on, as in the epoch the interrupted run began.
     ``lengths`` (several processes): each step's data points are dealt to the ranks by these lengths, in hands that
     need no more chunks of ``chunk_size`` than strided batches.
     """
     if remaining_order is not None:
-        order = remaining_order
-    elif world_size == 1:
+        rest = _cut(train_data, remaining_order, mini_batch_size, rank, world_size, lengths, chunk_size)
+        return rest.after(first_step)
+    if world_size == 1:
         loader = DataLoader(train_data, batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
         if first_step == 0:
             return EpochBatches(loader, len(loader))
@@ -188,19 +201,31 @@ def epoch_batches(
         )
         remaining = list(itertools.islice(indices, first_step, None))
         return EpochBatches(_read(train_data, remaining), len(loader), first_step)
-    else:
-        order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
+    order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
+    return _cut(train_data, order, mini_batch_size, rank, world_size, lengths, chunk_size, skip=first_step)
+
+
+def _cut(
+    train_data: Dataset,
+    order: list[int],
+    mini_batch_size: int,
+    rank: int,
+    world_size: int,
+    lengths: Sequence[int] | None,
+    chunk_size: int | None,
+    skip: int = 0,
+) -> EpochBatches:
+    """``order`` cut into this rank's batches; the first ``skip`` steps are left out (neither read nor embedded)."""
     if world_size == 1:
         cut = [order[i : i + mini_batch_size] for i in range(0, len(order), mini_batch_size)]
-        return EpochBatches(_read(train_data, cut), len(cut))
+        return EpochBatches(_read(train_data, cut[skip:]), len(cut), skip)
     batches = ShardedBatchSampler(
         order, rank=rank, world_size=world_size, batch_size=mini_batch_size, lengths=lengths, chunk_size=chunk_size
     )
-    skipped = batches.batches[first_step:]
     return EpochBatches(
-        _read(train_data, skipped),
+        _read(train_data, batches.batches[skip:]),
         len(batches),
-        first_step,
+        skip,
         batches.largest_batches,
         batches.step_sizes,
     )

@@ -6,19 +6,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import flair
 import torch
 from flair.data import Corpus, _len_dataset
 from flair.samplers import FlairSampler
-from flair.trainers import ModelTrainer
-from flair.trainers.plugins import TrainerPlugin
+from flair.trainers.plugins import Pluggable, TrainerPlugin
 from flair.training_utils import log_line
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
+from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.optimizer_implementation import build_optimizer
 
 log = logging.getLogger("flair")
@@ -42,13 +43,13 @@ class TrainingData:
         return _len_dataset(self.train)
 
 
-def attach_plugins(trainer: ModelTrainer, fabric: Fabric, arguments: TrainArguments) -> list[TrainerPlugin]:
+def attach_plugins(trainer: FlairTrainer, fabric: Fabric, arguments: TrainArguments) -> list[TrainerPlugin]:
     """The user's plugins (flair's fixed for several processes where needed) and the ones flair adds itself, attached
     in flair's order; returns the user's plugins as attached."""
     flair_arguments = arguments.flair
     plugins = for_world_size(flair_arguments.plugins or [], fabric.world_size)
     for plugin in plugins:
-        plugin.attach_to(trainer)  # flair's attach: global rank 0 only for attach_to_all_processes=False
+        plugin.attach_to(cast(Pluggable, trainer))  # flair's: global rank 0 only for attach_to_all_processes=False
     release_unattached(plugins)
     attach_builtin_plugins(
         trainer,
@@ -65,7 +66,7 @@ def attach_plugins(trainer: ModelTrainer, fabric: Fabric, arguments: TrainArgume
     return plugins
 
 
-def training_data(trainer: ModelTrainer, corpus: Corpus, arguments: FlairArguments) -> TrainingData:
+def training_data(trainer: FlairTrainer, corpus: Corpus, arguments: FlairArguments) -> TrainingData:
     """flair's choice of training data, sampler and evaluation splits."""
     train = trainer._get_train_data(train_with_dev=arguments.train_with_dev, train_with_test=arguments.train_with_test)
     splits: dict[str, Dataset] = {}

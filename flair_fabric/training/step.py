@@ -8,17 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 from flair.training_utils import identify_dynamic_embeddings, store_embeddings
 
-from flair_fabric.distributed.sharded_state import whole_tensor
+from flair_fabric.strategies.sharded_state import whole_tensor
 from flair_fabric.training.loss import LossTracker
 from flair_fabric.training.participation import chunks_for_every_rank
 
 if TYPE_CHECKING:
-    from flair_fabric.training.run import TrainingRun
+    from flair_fabric.training.run_interface import Run
 
 
-def train_step(
-    run: TrainingRun, batch: list, batch_kw: dict, largest_batch: int
-) -> tuple[LossTracker, torch.Tensor | None]:
+def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tuple[LossTracker, torch.Tensor | None]:
     """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch.
 
     Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns

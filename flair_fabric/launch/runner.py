@@ -1,9 +1,13 @@
-"""The one launch path: run a function on every rank through Fabric's launcher; the caller gets rank 0's result.
+"""The one job runner: every job of flair-fabric (training, the language-model trainer, ``predict``, ``evaluate``)
+runs through :func:`run_job`, which builds the Fabric, starts the processes, guards them, and hands the result back.
 
-Used by training and by ``flair_fabric.evaluate`` alike. On every rank it sets ``flair.device`` from Fabric (the
-local rank's device), keeps the ``flair`` logger quiet on all ranks but global rank 0, and makes a copy of the
-script that rank 0 relaunched exit when rank 0 is gone; when this process starts every other one, they meet at a
-store it hosts on loopback (:mod:`flair_fabric.launch.rendezvous`), and copies it relaunched are killed if it raises.
+A :class:`Job` is what runs on every rank (``run_on_rank(fabric)``), what spawned or forked workers receive
+(``for_workers()``), and what the caller does with rank 0's result afterwards (``hand_back(result)``). On every rank
+the runner sets ``flair.device`` from Fabric (the local rank's device), keeps the ``flair`` logger quiet on all ranks
+but global rank 0, turns a timed-out collective into an error that says where the rank was (the job's
+:class:`~flair_fabric.distributed.stalls.Position`), and makes a copy of the script that rank 0 relaunched exit when
+rank 0 is gone; when this process starts every other one, they meet at a store it hosts on loopback
+(:mod:`flair_fabric.launch.rendezvous`), and copies it relaunched are killed if it raises.
 
 With the script relaunch (``strategy="ddp"``) or under torchrun/SLURM the caller is itself a rank, so the function
 simply runs in it. Spawned and forked workers (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) are separate
@@ -24,17 +28,20 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, cast
 
 import flair
 import torch
 from lightning.fabric import Fabric
+from torch.multiprocessing import ProcessExitedException
 
-from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.distributed.stalls import Position, explain_timeouts
 from flair_fabric.launch import transport
+from flair_fabric.launch.config import LaunchConfig, build_fabric
 from flair_fabric.launch.environment import environment_restored, external_launch
 from flair_fabric.launch.failures import (
     FORWARDED_SIGNAL,
@@ -44,28 +51,25 @@ from flair_fabric.launch.failures import (
     stop_started_processes,
 )
 from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous, torchrun_rendezvous
+from flair_fabric.state.policy import REQUEUE_EXIT_CODE
 from flair_fabric.state.safe_loading import load_data, save_private
-from flair_fabric.strategies import LAUNCHING_STRATEGIES
+from flair_fabric.strategies import start_method, starts_processes_itself
+from flair_fabric.strategies import starts_workers as strategy_starts_workers
 
 log = logging.getLogger("flair")
-
-Job = TypeVar("Job")
-Result = TypeVar("Result")
 
 
 def starts_workers(fabric: Fabric) -> bool:
     """Whether ``fabric.launch`` starts spawned or forked workers instead of running in the calling process."""
-    strategy = fabric.strategy
-    return isinstance(strategy, LAUNCHING_STRATEGIES) and strategy.starts_workers_in_train
+    return strategy_starts_workers(fabric.strategy)
 
 
 def starts_every_process_here(fabric: Fabric) -> bool:
     """Whether this process starts all other processes of the run, on this machine (relaunch, spawn, fork)."""
-    strategy = fabric.strategy
     return (
-        isinstance(strategy, LAUNCHING_STRATEGIES)
+        starts_processes_itself(fabric.strategy)
         and fabric.world_size > 1
-        and strategy.num_nodes == 1
+        and getattr(fabric.strategy, "num_nodes", 1) == 1
         and external_launch() is None
         and "LOCAL_RANK" not in os.environ  # not a copy the script relaunch started
     )
@@ -88,54 +92,87 @@ def _rendezvous(fabric: Fabric, timeout: timedelta) -> contextlib.AbstractContex
     return loopback_interface_only()  # torchrun without its agent's store: its store is rank 0's own
 
 
-def run_on_every_rank(
-    fabric: Fabric,
-    function: Callable[[Fabric, Job], Result],
-    job: Job,
-    timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-    preemption_signal: signal.Signals | None = None,
-    result_types: Iterable[type] = (),
-) -> Result:
-    """``function(fabric, job)`` on every rank; the caller gets its own rank's result, or rank 0's from workers.
+class Job(ABC):
+    """One job run on every rank by :func:`run_job`.
+
+    ``run_on_rank(fabric)`` runs on every rank (in the caller itself under the script relaunch, torchrun or SLURM);
+    spawned or forked workers run ``for_workers()`` instead (what a worker needs, without what stays with the caller),
+    and global rank 0's result comes back to the caller through a private file, as plain data (``result_types``: the
+    classes besides tensors and plain values it may hold); then the caller's ``hand_back(result)`` gives the caller's
+    objects what the workers computed and returns what the entry point returns. ``position`` says where a rank is,
+    for the error a timed-out collective raises."""
+
+    result_types: ClassVar[tuple[type, ...]] = ()
+    preemption_signal: signal.Signals | None = None
+    """The signal that means "preempted" (training's ``requeue_signal``); the runner passes it on to workers."""
+
+    def __init__(self) -> None:
+        self.position = Position()
+
+    @abstractmethod
+    def run_on_rank(self, fabric: Fabric) -> Any:
+        """The job's work on one rank."""
+
+    def for_workers(self) -> Job:
+        """What spawned or forked workers run (spawned ones receive it by its flair state)."""
+        return self
+
+    def hand_back(self, result: Any) -> Any:
+        """In the caller, after the workers: give the caller's objects rank 0's ``result``; the entry point's return
+        value."""
+        return result
+
+    def stopped(self) -> None:
+        """In the caller, after a second interrupt stopped the workers at once (before ``KeyboardInterrupt``)."""
+        return None
+
+
+def run_job(job: Job, launch: LaunchConfig) -> Any:
+    """Run ``job`` on every rank of the processes ``launch`` describes; the caller gets the job's result (rank 0's,
+    after spawned or forked workers, handed back by the job).
 
     The one launch path of flair-fabric. When this process starts every other one, they meet at a store it hosts on
     loopback (:mod:`flair_fabric.launch.rendezvous`). Relaunched copies of the script are killed when this rank raises.
     With workers, a Ctrl-C (or SIGTERM) that reaches this process is passed on to them (they stop together at their
     next agreement point and save, and this process waits for them); a second one ends them at once, reaps them and
-    raises ``KeyboardInterrupt``. Workers never outlive this call. ``timeout``: of the rendezvous.
-
-    Rank 0's result comes back from workers as plain data through a private file (``result_types``: the classes
-    besides tensors and plain Python values it may hold), loaded with ``weights_only=True``."""
+    raises ``KeyboardInterrupt``. Workers never outlive this call; workers that stopped for a preemption make it exit
+    with :data:`~flair_fabric.state.policy.REQUEUE_EXIT_CODE`."""
+    fabric = build_fabric(launch)
+    timeout = launch.collective_timeout
     with _rendezvous(fabric, timeout):
         if not starts_workers(fabric):
             if fabric.world_size > 1:
                 atexit.unregister(destroy_process_group_at_exit)  # registered once, however many runs
                 atexit.register(destroy_process_group_at_exit)
             try:
-                return fabric.launch(lambda rank_fabric: _on_rank(rank_fabric, function, job))
+                return fabric.launch(functools.partial(_on_rank, job=job, timeout=timeout))
             except BaseException:
                 stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
                 raise
-        return _run_in_workers(fabric, function, job, result_types, preemption_signal)
+        try:
+            result = _run_in_workers(fabric, job, timeout)
+        except KeyboardInterrupt:
+            job.stopped()
+            raise
+        except ProcessExitedException as exited:
+            if exited.exit_code == REQUEUE_EXIT_CODE:  # the workers were preempted and wrote their checkpoint
+                raise SystemExit(REQUEUE_EXIT_CODE) from None
+            raise
+        return job.hand_back(result)
 
 
 def destroy_process_group_at_exit() -> None:
     """A rank that is the script's own process ends its process group while Python is still whole: gloo's threads
     can otherwise abort the interpreter's finalization ("terminate called without an active exception", SIGABRT;
-    pytorch/pytorch#190489), once seen here at the exit of a resumed run under the script relaunch."""
+    pytorch/pytorch#190489)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
-def _run_in_workers(
-    fabric: Fabric,
-    function: Callable[[Fabric, Job], Result],
-    job: Job,
-    result_types: Iterable[type],
-    preemption_signal: signal.Signals | None,
-) -> Result:
-    assert isinstance(fabric.strategy, LAUNCHING_STRATEGIES)
-    payload = transport.dumps(job) if fabric.strategy.start_method == "spawn" else job
+def _run_in_workers(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
+    worker_job = job.for_workers()
+    payload = transport.dumps(worker_job) if start_method(fabric.strategy) == "spawn" else worker_job
+    preemption_signal = job.preemption_signal
     existing = set(multiprocessing.active_children())
     interrupted: list[str] = []
 
@@ -158,7 +195,7 @@ def _run_in_workers(
             held = graceful_interrupts(pass_on, pass_on_preemption, preemption_signal)
             with environment_restored("MASTER_PORT"), held:
                 run = functools.partial(
-                    _run_in_worker, function=function, job=payload, handoff=handoff, preemption=preemption_signal
+                    _run_in_worker, job=payload, handoff=handoff, preemption=preemption_signal, timeout=timeout
                 )
                 fabric.launch(run)
         except BaseException as error:
@@ -169,17 +206,17 @@ def _run_in_workers(
                     f"{(interrupted or ['SIGINT'])[0]} received: the workers were stopped"
                 ) from error
             raise
-        return cast(Result, load_data(handoff, result_types))
+        return load_data(handoff, job.result_types)
 
 
-def _on_rank(fabric: Fabric, function: Callable[[Fabric, Job], Result], job: Job) -> Result:
-    """Every rank: its device, its guard, its logging; then the function."""
+def _on_rank(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
+    """Every rank: its device, its guard, its logging, its stall diagnostics; then the job."""
     flair.device = fabric.device
     relaunched = "LOCAL_RANK" in os.environ and external_launch() is None and fabric.local_rank > 0
     if relaunched or multiprocessing.parent_process() is not None:
         exit_with_parent()  # a copy of the script, or a worker, must not outlive the process that started it
-    with log_on_global_zero_only(fabric):
-        return function(fabric, job)
+    with log_on_global_zero_only(fabric), explain_timeouts(fabric, job.position, timeout):
+        return job.run_on_rank(fabric)
 
 
 @contextlib.contextmanager
@@ -219,10 +256,10 @@ def one_cpu_thread_after_fork() -> None:
 
 def _run_in_worker(
     fabric: Fabric,
-    function: Callable[[Fabric, Any], Any],
-    job: Any,
+    job: Job | bytes,
     handoff: Path,
-    preemption: signal.Signals | None = None,
+    preemption: signal.Signals | None,
+    timeout: timedelta,
 ) -> None:
     """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``.
 
@@ -235,7 +272,7 @@ def _run_in_worker(
         if isinstance(job, bytes):
             cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights
-                job = transport.loads(job)
-        result = _on_rank(fabric, function, job)
+                job = cast(Job, transport.loads(job))
+        result = _on_rank(fabric, job, timeout)
         if fabric.is_global_zero:
             save_private(result, handoff)

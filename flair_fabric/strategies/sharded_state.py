@@ -2,17 +2,23 @@
 
 :func:`full_state_dict` gives global rank 0 the plain tensors of every parameter and buffer (to write an ordinary flair
 model file); :func:`load_full_state_dict` scatters global rank 0's tensors to the shards. Both are collectives.
+:func:`read_distributed_checkpoint_whole` reads a sharded checkpoint whole (for a run that is not sharded).
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
+
+from flair_fabric.state.safe_loading import load_data
 
 
 def is_sharded(model: Module) -> bool:
@@ -56,3 +62,12 @@ def held_bytes(model: Module, optimizer: torch.optim.Optimizer | None = None) ->
         for state in optimizer.state.values():
             tensors.extend(local_tensor(value) for value in state.values() if isinstance(value, torch.Tensor))
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def read_distributed_checkpoint_whole(path: Path) -> dict[str, Any]:
+    """A PyTorch distributed checkpoint folder (``fabric.save`` under FSDP) read whole, as plain data (its parts were
+    checked as data before any process started)."""
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as folder:  # 0o700
+        whole = Path(folder) / "whole.pt"
+        dcp_to_torch_save(path, whole)
+        return cast(dict[str, Any], load_data(whole))

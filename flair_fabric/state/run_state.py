@@ -1,0 +1,101 @@
+"""Where a run stands: the one record the training loop reads and writes, and that a checkpoint stores.
+
+Everything a resume needs and everything the loop decides from lives here (litgpt's ``state`` dict, typed): the
+progress (epochs, steps, the position in the epoch), the best score, the data-order seed, what is due at the epoch's
+end, the ranks' pending agreement flags, when the last checkpoint was taken, and, after a resume, where the
+interrupted epoch continues. A checkpoint stores the record as JSON (:meth:`RunState.stored`); the fields that only
+make sense in the running process (the clock, the resume point read from a checkpoint, the generators, which each
+rank stores in its own part) are left out.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+class EpochEnd(enum.Enum):
+    """What the epoch's end must do besides evaluating, decided at its last step."""
+
+    NOTHING = "nothing"
+    CHECKPOINT = "checkpoint"
+    """A checkpoint was due at the epoch's last step: it is taken after the evaluation, as the epoch's."""
+    PREEMPTED = "preempted"
+    """A preemption was agreed at the epoch's last step: checkpoint after the evaluation, then end for a requeue."""
+
+
+@dataclass
+class AgreementFlags:
+    """What a rank holds until the ranks next agree (:class:`~flair_fabric.distributed.lockstep.Lockstep`)."""
+
+    stop: str | None = None
+    """A plugin's ``TrainingInterrupt`` raised on this rank (its message)."""
+    signal: str | None = None
+    """Ctrl-C or SIGTERM received by this rank (the signal's name)."""
+    checkpoint_requested: bool = False
+    """Global rank 0's clock asks for a checkpoint."""
+    preemption: str | None = None
+    """The preemption signal this rank received."""
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run continues inside an epoch, and what the run that wrote the checkpoint had of it."""
+
+    step_in_epoch: int
+    epoch_position: int
+    every_rank: list[dict[str, Any]]
+    """Each rank's own part of the checkpoint (its generators, its part of the epoch's loss)."""
+    same_processes: bool
+
+
+@dataclass
+class RunState:
+    """The one record of a run: what the loop reads and writes, and what a checkpoint stores."""
+
+    epoch: int
+    """Completed epochs."""
+    batch_count: int
+    """Optimizer steps taken (flair's ``batch_count``)."""
+    best_epoch_score: float
+    """The best dev score so far (or the lowest train loss, without a dev split)."""
+    seed: int
+    """The data-order seed every rank shares (0 in one process, where flair's own loader shuffles)."""
+    world_size: int
+    """The number of processes of the run that wrote it."""
+    model_fingerprint: dict[str, str] = field(default_factory=dict)
+    """The model's structure and dictionaries, to check that a resume continues the same model."""
+    step_in_epoch: int = 0
+    """Steps done in the epoch after ``epoch`` (0 at an epoch's end): where a mid-epoch resume continues."""
+    epoch_position: int = 0
+    """Data points of that epoch's order the ranks have read (to continue on another number of processes)."""
+    epoch_end: EpochEnd = EpochEnd.NOTHING
+    """What the current epoch's end must do (decided at its last step)."""
+    preempted_by: str | None = None
+    """With ``EpochEnd.PREEMPTED``: which signal, received by which rank."""
+    flags: AgreementFlags = field(default_factory=AgreementFlags)
+    """This rank's flags, held until the ranks next agree."""
+    last_checkpoint: float = field(default_factory=time.monotonic, metadata={"stored": False})
+    """When this process last wrote a checkpoint (its monotonic clock)."""
+    resume: ResumePoint | None = field(default=None, metadata={"stored": False})
+    """After a mid-epoch resume, until the epoch's batches are drawn: where the interrupted epoch continues."""
+    epoch_start_generators: dict[str, Any] | None = field(default=None, metadata={"stored": False})
+    """This rank's random number generators when the current epoch began (they decide the epoch's order in one
+    process); stored in the rank's own part of a checkpoint, not in the JSON."""
+
+    def stored(self) -> dict[str, Any]:
+        """What a checkpoint stores: every field but the process-local ones, as JSON-ready values."""
+        values = {each.name: getattr(self, each.name) for each in fields(self) if each.metadata.get("stored", True)}
+        values["epoch_end"] = self.epoch_end.value
+        values["flags"] = asdict(self.flags)
+        return values
+
+    @classmethod
+    def from_stored(cls, values: dict[str, Any]) -> RunState:
+        """The record :meth:`stored` wrote."""
+        values = dict(values)
+        values["epoch_end"] = EpochEnd(values.get("epoch_end", EpochEnd.NOTHING.value))
+        values["flags"] = AgreementFlags(**values.get("flags", {}))
+        return cls(**values)
