@@ -19,6 +19,7 @@ from flair.trainers.plugins import BasePlugin, Pluggable, TrainerPlugin
 from lightning.fabric.connector import _PRECISION_INPUT
 
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE, trec_corpus, wnut16_corpus
+from flair_fabric.launch.runner import Job, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -223,3 +224,22 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     """Write a JSON run configuration for a test script."""
     path.write_text(json.dumps(config), encoding="utf-8")
     return path
+
+
+class FunctionJob(Job):
+    """A job of the runner that calls ``function(fabric, argument)`` on every rank (module-level functions only: spawned
+    workers import them)."""
+
+    def __init__(self, function: Any, argument: Any, result_types: tuple[type, ...] = ()) -> None:
+        super().__init__()
+        self.function, self.argument = function, argument
+        self.result_types = result_types  # type: ignore[misc]
+
+    def run_on_rank(self, fabric: Any) -> Any:
+        return self.function(fabric, self.argument)
+
+
+def run_on_ranks(config: Any, function: Any, argument: Any, result_types: tuple[type, ...] = ()) -> Any:
+    """``function(fabric, argument)`` on every rank of the processes ``config`` (a LaunchConfig) describes; the
+    caller's own rank's result, or rank 0's after workers."""
+    return run_job(FunctionJob(function, argument, result_types), config)

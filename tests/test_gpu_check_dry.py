@@ -93,6 +93,41 @@ def test_dry_run_skips_every_cuda_check_with_a_reason(dry_run: tuple[subprocess.
         assert f"| {check['name']} | **skipped** |" in markdown, check["name"]
 
 
+# Python imports sitecustomize from the path at start-up: in the processes the check starts (they inherit the
+# marker the first process sets), it ends the process at once, before its unit reports anything.
+FAILING_UNITS_SITECUSTOMIZE = """
+import os
+if os.environ.get("GPU_CHECK_TEST_FAIL_UNITS") == "1":
+    if os.environ.get("GPU_CHECK_TEST_ORCHESTRATOR"):
+        os._exit(1)
+    os.environ["GPU_CHECK_TEST_ORCHESTRATOR"] = str(os.getpid())
+"""
+
+
+def test_a_failed_check_makes_the_run_exit_1(tmp_path: Path) -> None:
+    """``--dry --only evaluate_vs_flair`` with every process the check starts ending at once (so the unit reports
+    nothing): the check is reported failed, and the exit code is 1 (the clean dry run's 0 is checked above)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAILING_UNITS_SITECUSTOMIZE, encoding="utf-8")
+    python_path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    out = tmp_path / "out"
+    completed = run_gpu_check(
+        "--dry",
+        "--only",
+        "evaluate_vs_flair",
+        "--out",
+        str(out),
+        timeout=DRY_RUN_TIMEOUT_S,
+        env={"PYTHONPATH": python_path, "GPU_CHECK_TEST_FAIL_UNITS": "1"},
+    )
+    output = completed.stdout[-3000:] + completed.stderr[-3000:]
+    checks = {check["name"]: check for check in report_of(out)["checks"]}
+    assert checks["evaluate_vs_flair"]["status"] == "failed", output
+    assert report_of(out)["summary"]["failed"] >= 1
+    assert completed.returncode == 1, output
+
+
 def test_without_cuda_and_without_dry_exits_2_at_once(tmp_path: Path) -> None:
     started = time.perf_counter()
     completed = run_gpu_check("--out", str(tmp_path / "out"), timeout=120, env={"CUDA_VISIBLE_DEVICES": ""})

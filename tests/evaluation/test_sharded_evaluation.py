@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import flair
 import pytest
@@ -27,10 +28,10 @@ from lightning.fabric import Fabric
 
 import flair_fabric
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE
+from flair_fabric.evaluation.batches import batches_of_rank
 from flair_fabric.evaluation.predictions import UnsupportedPrediction, record_labels, restore_labels
-from flair_fabric.evaluation.sharded import batches_of_rank, can_shard, evaluate_across_ranks
-from flair_fabric.launch.config import build_fabric, make_launch_config
-from flair_fabric.launch.workers import run_on_every_rank
+from flair_fabric.evaluation.sharded import can_shard, evaluate_across_ranks
+from flair_fabric.launch.config import make_launch_config
 from flair_fabric.training.setup import sample_on_global_zero
 
 from ..support import (
@@ -39,6 +40,7 @@ from ..support import (
     SCRIPTS,
     CountingSequenceTagger,
     CountingTextClassifier,
+    run_on_ranks,
     small_trec,
     small_wnut,
     tiny_sequence_tagger,
@@ -145,7 +147,7 @@ def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world
     config = make_launch_config(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    sharded = run_on_every_rank(build_fabric(config), _evaluate_every_case, (tmp_path, cases), result_types=[Result])
+    sharded = run_on_ranks(config, _evaluate_every_case, (tmp_path, cases), result_types=(Result,))
 
     predicted = [json.loads((tmp_path / f"predicted-rank{rank}.json").read_text()) for rank in range(world_size)]
     for case in cases:
@@ -202,7 +204,7 @@ def test_ranks_that_hold_different_data_never_give_a_wrong_number(tmp_path: Path
     config = make_launch_config(
         accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    results = run_on_every_rank(build_fabric(config), _ranks_disagree, (tmp_path, case), result_types=[Result])
+    results = run_on_ranks(config, _ranks_disagree, (tmp_path, case), result_types=(Result,))
     # rank 1 predicted other sentences than rank 0 would deal it: rank 0 evaluates everything itself
     single = case.model.evaluate(case.split(len(case.data)), case.label_type, mini_batch_size=BATCH)
     for name in ("reordered", "shorter"):
@@ -377,3 +379,40 @@ def _group_members(group: int) -> set[int]:
             if int(fields[2]) == group and fields[0] != "Z":
                 members.add(int(stat.parent.name))
     return members
+
+
+class _BatchSizeRecorder(TextClassifier):
+    """Remembers the size of every batch its ``predict`` is called with (flair's evaluate: one call per batch)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_sizes: list[int] = []
+
+    def predict(self, sentences: Any, *args: Any, **kwargs: Any) -> Any:
+        self.batch_sizes.append(len(sentences) if isinstance(sentences, list) else 1)
+        return super().predict(sentences, *args, **kwargs)
+
+
+def test_flairs_evaluate_arguments_reach_flairs_evaluate() -> None:
+    """``mini_batch_size``, ``main_evaluation_metric`` and ``exclude_labels`` given to ``flair_fabric.evaluate`` give
+    what flair's ``evaluate`` gives with them in one process (batches of 3, the macro F1, the report without the
+    excluded class), which is not what it gives without them."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, model_class=_BatchSizeRecorder)
+    model.eval()
+    excluded = Counter(sentence.get_label(TREC_LABEL_TYPE).value for sentence in corpus.test).most_common(1)[0][0]
+    options = {"mini_batch_size": 3, "main_evaluation_metric": ("macro avg", "f1-score"), "exclude_labels": [excluded]}
+    expected = model.evaluate(copy.deepcopy(list(corpus.test)), TREC_LABEL_TYPE, **options)
+    flair_batches, model.batch_sizes = model.batch_sizes, []
+    defaults = model.evaluate(copy.deepcopy(list(corpus.test)), TREC_LABEL_TYPE)
+    model.batch_sizes = []
+    assert flair_batches == [3, 3, 3, 3]
+    assert defaults.main_score != expected.main_score and defaults.detailed_results != expected.detailed_results
+
+    result = flair_fabric.evaluate(
+        model, copy.deepcopy(list(corpus.test)), TREC_LABEL_TYPE, **options, devices=1, accelerator="cpu"
+    )
+    assert model.batch_sizes == flair_batches
+    assert result.main_score == expected.main_score
+    assert result.detailed_results == expected.detailed_results
+    assert result.classification_report == expected.classification_report

@@ -6,11 +6,15 @@ import copy
 import random
 import re
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from flair.data import Dictionary
 from flair.models import LanguageModel
 from flair.trainers.language_model_trainer import TextCorpus
+
+from flair_fabric.language_model import trainer as language_model_trainer
 
 LM_OPTIONS = {"sequence_length": 20, "max_epochs": 2, "num_workers": 0, "learning_rate": 5.0}
 """Two epochs (the second reads the split files in shuffled order), SGD with flair's plateau schedule."""
@@ -83,3 +87,13 @@ def summaries(run: Path) -> list[str]:
 def validation_perplexities(run: Path) -> list[float]:
     """The validation perplexity of every line of ``loss.txt`` but the last (the test line)."""
     return [float(line.split("valid ppl")[1].split("|")[0]) for line in summaries(run)[:-1]]
+
+
+def no_process_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting the job (building its Fabric, starting the ranks) fails the test at once: a refusal must come
+    before."""
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("the run went on to build its Fabric or start its processes instead of refusing the arguments")
+
+    monkeypatch.setattr(language_model_trainer, "run_job", started)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.launch import config as launch_module
 from flair_fabric.launch.config import make_launch_config
+from flair_fabric.strategies import resolve_strategy
 
 from ..support import small_trec, tiny_text_classifier
 
@@ -46,16 +50,23 @@ def test_forking_gpu_workers_after_the_cuda_driver_was_initialised_is_refused_wi
     GPU workers forked afterwards fail (the GPU check saw it). CPU workers are not affected."""
     monkeypatch.setattr(launch_module, "cuda_driver_initialized", lambda: True)
     for strategy in ("ddp_fork", "ddp_notebook"):
-        resolved = launch_module.resolve_strategy(strategy, 2, "cuda", None, None)
+        resolved = _resolved(strategy, "cuda")
         with pytest.raises(RuntimeError, match=r"initialised the CUDA driver.*import flair_fabric before flair"):
             launch_module.check_start_method(resolved, None, "cuda")
-        launch_module.check_start_method(launch_module.resolve_strategy(strategy, 2, "cpu", None, None), None, "cpu")
+        launch_module.check_start_method(_resolved(strategy, "cpu"), None, "cpu")
     monkeypatch.setattr(launch_module, "cuda_driver_initialized", lambda: False)
-    launch_module.check_start_method(launch_module.resolve_strategy("ddp_fork", 2, "cuda", None, None), None, "cuda")
+    launch_module.check_start_method(_resolved("ddp_fork", "cuda"), None, "cuda")
+
+
+def _resolved(strategy: str, accelerator: str) -> Any:
+    return resolve_strategy(
+        strategy, world_size=2, accelerator=accelerator, launched=False, interactive=False, timeout=timedelta(seconds=9)
+    )
 
 
 def test_importing_flair_fabric_first_keeps_torch_from_initialising_the_cuda_driver() -> None:
-    """flair asks torch.cuda.is_available() when imported; flair_fabric sets the NVML-based check before that."""
+    """flair asks torch.cuda.is_available() when imported; importing flair_fabric first sets the NVML-based check
+    before that (also when the script imports flair itself right after, and when it uses flair-fabric's names)."""
     code = (  # a spy on torch.cuda.is_available notes the variable at the moment flair asks
         "import os, torch\n"
         "asked = []\n"
@@ -65,6 +76,8 @@ def test_importing_flair_fabric_first_keeps_torch_from_initialising_the_cuda_dri
         "    return original()\n"
         "torch.cuda.is_available = spy\n"
         "import flair_fabric\n"
+        "import flair\n"
+        "from flair_fabric import FabricTrainer\n"
         "print(asked[0] if asked else 'never asked')\n"
     )
     env = {key: value for key, value in os.environ.items() if key != "PYTORCH_NVML_BASED_CUDA_CHECK"}
@@ -135,3 +148,30 @@ def test_strategy_names_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None
     assert _config().strategy.start_method == "fork"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"relaunches the running script.*use strategy='ddp_notebook'"):
         _config(strategy="ddp")
+
+
+@pytest.mark.parametrize(
+    ("cuda", "mps", "expected"),
+    [(True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu")],
+)
+def test_auto_accelerator_picks_cuda_then_mps_then_cpu(
+    monkeypatch: pytest.MonkeyPatch, cuda: bool, mps: bool, expected: str
+) -> None:
+    """README: accelerator="auto" (the default) picks CUDA, then MPS, then CPU."""
+    monkeypatch.setattr(launch_module.CUDAAccelerator, "is_available", staticmethod(lambda: cuda))
+    monkeypatch.setattr(launch_module.MPSAccelerator, "is_available", staticmethod(lambda: mps))
+    assert launch_module.resolve_accelerator("auto") == expected
+    for method in (FabricTrainer.train, FabricTrainer.fine_tune, FabricTrainer.train_custom):
+        assert inspect.signature(method).parameters["accelerator"].default == "auto"
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_spawn", "ddp_fork", "ddp_notebook"])
+def test_find_unused_parameters_suffixes_force_ddps_search_on_or_off(name: str) -> None:
+    """README: every ddp* name also takes Lightning's _find_unused_parameters_true/_false suffix, which turns DDP's
+    search for parameters without a gradient on/off (instead of deciding it by a probe); the start method stays."""
+    for suffix, forced in (("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False)):
+        strategy = _config(strategy=name + suffix).strategy
+        assert isinstance(strategy, FlairDDPStrategy)
+        assert strategy.find_unused_parameters is forced, name + suffix
+        assert strategy.start_method == _config(strategy=name).strategy.start_method  # type: ignore[union-attr]
+    assert _config(strategy=name).strategy.find_unused_parameters == "auto"  # type: ignore[union-attr]

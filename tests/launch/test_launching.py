@@ -34,6 +34,7 @@ from ..support import (
     tiny_transformer_classifier,
     write_config,
 )
+from .test_rendezvous_and_hand_off import loopback_interfaces, non_loopback_address
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -104,6 +105,7 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
 ) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
+    parameters = list(model.parameters())
     port_before = os.environ.get("MASTER_PORT")
     result = FabricTrainer(model, corpus).train_custom(
         tmp_path,
@@ -137,6 +139,9 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
         == reference.model_card["training_parameters"]["max_epochs"]
     )
     assert next(model.parameters()).device == next(reference.parameters()).device
+    # docs/notebooks.md: the model keeps its device: the trained weights are copied into its own parameters (on the
+    # caller's flair.device), not replaced by the workers' CPU tensors
+    assert all(mine is kept for mine, kept in zip(parameters, model.parameters(), strict=True)), "parameters replaced"
 
 
 def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(tmp_path: Path) -> None:
@@ -255,6 +260,32 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
     listening = json.loads((run_dir / "listening.json").read_text())  # one node: task 0 hosts the store on loopback
     listening = [(pid, address) for pid, address in listening if pid in {s["pid"] for s in summaries}]
     assert listening and all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
+
+
+def test_one_node_torchrun_keeps_the_rendezvous_and_the_collectives_on_loopback(tmp_path: Path) -> None:
+    """docs/security.md: under a one-node torchrun, global rank 0 hosts the attempt's store on loopback (announced
+    through torchrun's, whatever address torchrun was given) and gloo and NCCL use the loopback interface. torchrun is
+    given an address of this machine other than loopback where it has one: its own store listens there (and on every
+    interface), none of the ranks' sockets may."""
+    address = non_loopback_address() or "127.0.0.1"
+    env = _script_env()
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)
+
+    def commands_for(port: int) -> list[tuple[list[str], dict[str, str]]]:
+        options = ["--nnodes=1", "--nproc_per_node=2", f"--master_addr={address}", f"--master_port={port}"]
+        return [([TORCHRUN, *options, str(SCRIPTS / "launch_environment.py"), str(tmp_path)], env)]
+
+    _run_together_on_a_free_port(commands_for)
+    seen = [json.loads((tmp_path / f"environment-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(rank["environment"]["TORCHELASTIC_RUN_ID"] for rank in seen), "both ranks were started by torchrun"
+    store = f"127.0.0.1:{seen[0]['environment']['MASTER_PORT']}"
+    assert store in seen[0]["listening"], "global rank 0 hosts the attempt's store, on loopback"
+    for rank in seen:
+        assert rank["environment"]["MASTER_ADDR"] == "127.0.0.1", rank
+        assert rank["listening"] and all(a.startswith(("127.0.0.1:", "::1:")) for a in rank["listening"]), rank
+        interfaces = [rank["environment"][name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")]
+        assert all(interface in loopback_interfaces() for interface in interfaces), rank
 
 
 def test_two_runs_at_the_same_time_both_finish(tmp_path: Path) -> None:

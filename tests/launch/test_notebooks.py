@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -58,6 +59,9 @@ def test_a_notebook_trains_with_forked_workers_and_gets_the_model_back_as_flair_
 model = tiny_text_classifier(corpus, dropout=0.5)
 result = FabricTrainer(model, corpus).train({str(tmp_path / "fabric")!r}, max_epochs=2, mini_batch_size=4,
                                             devices=2, accelerator="cpu")
+""",
+        # flair's own trainer in a cell of its own: its bars are not the run's
+        f"""
 reference = tiny_text_classifier(corpus, dropout=0.5)
 ModelTrainer(reference, corpus).train({str(tmp_path / "flair")!r}, max_epochs=2, mini_batch_size=8)
 """,
@@ -86,14 +90,24 @@ except ValueError as error:
     )
     NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
     training = notebook.cells[1]
-    assert _stream_text(training, "stderr").count("Initializing distributed") <= 1, "one banner, from rank 0 at most"
-    refused = _stream_text(notebook.cells[4], "stdout")
+    stdout, stderr = _stream_text(training, "stdout"), _stream_text(training, "stderr")
+    assert stderr.count("Initializing distributed") <= 1, "one banner, from rank 0 at most"
+    # docs/notebooks.md: progress_bar=None (the default) shows a text bar per epoch in a notebook, written by rank 0
+    # to stdout
+    assert all(re.search(rf"epoch {epoch}: +100%\|", stdout) for epoch in (1, 2)), "no bar in:\n" + stdout[-2000:]
+    # flair's own evaluation bar, which would count the replay of the gathered predictions, is hidden (a bar over
+    # a split's batches, "3/3 [..."; the label dictionary's "48it [..." is the cell's own)
+    assert not re.search(r"\d+/\d+ \[", stderr), "a bar over batches in stderr:\n" + stderr[-2000:]
+    # only global rank 0 logs: each line once, although both workers write to the kernel's output
+    assert (stdout + stderr).count("EPOCH 1 done") == 1, "logged by several ranks:\n" + stdout[-2000:]
+    refused = _stream_text(notebook.cells[5], "stdout")
     assert "REFUSED: strategy='ddp_spawn' starts fresh Python processes" in refused
     assert not (tmp_path / "spawned").exists(), "nothing may be created for a refused run"
 
 
 TRAINING = """
 model = tiny_text_classifier(corpus)
+before = {{name: tensor.clone() for name, tensor in model.state_dict().items()}}
 FabricTrainer(model, corpus).train({path!r}, max_epochs=10_000, mini_batch_size=4, devices=2, accelerator="cpu",
                                    use_final_model_for_eval=True, min_learning_rate=0.0, plugins={plugins})
 """
@@ -151,6 +165,30 @@ def _reply(client: Any, msg_id: str, timeout: float) -> dict:
     raise AssertionError(f"the cell did not end within {timeout} s of the interrupt")
 
 
+def _output_until_idle(client: Any, msg_id: str, timeout: float) -> str:
+    """The rest of a cell's streamed output, up to the kernel's idle status for it."""
+    texts = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            message = client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        texts.append(message["content"].get("text", ""))
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            return "".join(texts)
+    raise AssertionError(f"the cell's output did not end within {timeout} s")
+
+
+STALE_FINAL_MODEL = """
+stale = tiny_text_classifier(corpus, seed=99)
+stale.save({path!r})
+os.utime({path!r}, (time.time() - 3600, time.time() - 3600))
+"""
+
+
 @pytest.mark.parametrize(
     ("target", "when", "times"),
     [
@@ -166,6 +204,9 @@ def test_an_interrupt_stops_every_worker_and_the_kernel_runs_on(
 ) -> None:
     manager, client = kernel
     kernel_pid = manager.provisioner.process.pid  # type: ignore[union-attr]
+    if times == 2:  # a final-model.pt of an earlier run in the folder; this run's workers never get to save one
+        stale = client.execute_interactive(STALE_FINAL_MODEL.format(path=str(tmp_path / "final-model.pt")), timeout=60)
+        assert stale["content"]["status"] == "ok", stale
     msg_id = client.execute(TRAINING.format(path=str(tmp_path), plugins="[SlowToStop()]" if times == 2 else "[]"))
     if when == "early":
         time.sleep(1.0)
@@ -187,6 +228,15 @@ def test_an_interrupt_stops_every_worker_and_the_kernel_runs_on(
         assert "SIGINT received by rank" in log and log.count("Saving model ...") == 1
     if times == 2:
         assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+        # docs/notebooks.md: the workers saved no final-model.pt, so the model is left as it was, and a log line
+        # says so (the older final-model.pt in the folder is not this run's)
+        said = _output_until_idle(client, msg_id, timeout=30)
+        assert "the workers were stopped before they saved a model: the model was not updated" in said, (
+            "no log line says so:\n" + said[-2000:]
+        )
+        unchanged = "assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())"
+        kept = client.execute_interactive(unchanged, timeout=60)
+        assert kept["content"]["status"] == "ok", "the model's weights changed"
     deadline = time.monotonic() + 10
     while _children_of(kernel_pid) and time.monotonic() < deadline:
         time.sleep(0.2)

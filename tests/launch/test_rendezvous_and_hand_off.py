@@ -1,18 +1,32 @@
 """Hand-offs and checkpoints hold plain data in files only their owner can read; the rendezvous port is held from
-the moment it is chosen and listens on loopback only."""
+the moment it is chosen and listens on loopback only; gloo and NCCL use the loopback interface on one machine, and a
+run over several machines the addresses it was given."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
+import struct
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from lightning.fabric import Fabric
+from torch.distributed import TCPStore
 
-from flair_fabric.launch.rendezvous import loopback_rendezvous
+import flair_fabric
+from flair_fabric.launch import rendezvous, runner
+from flair_fabric.launch.config import make_launch_config
+from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous, torchrun_rendezvous
 from flair_fabric.state.safe_loading import UnsafeFile, as_plain_data, checked_load, save_private
+
+from ..plugin_support import listening_sockets_of_process_group
+from ..support import run_on_ranks, small_trec, tiny_text_classifier
 
 
 class _CreatesAFile:
@@ -49,3 +63,186 @@ def test_the_rendezvous_port_is_held_from_the_start_and_listens_on_loopback_only
         assert hosted.listener.getsockname()[0] == "127.0.0.1"
         with socket.create_connection(("127.0.0.1", hosted.port), timeout=5):
             pass
+
+
+IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interfaces() -> set[str]:
+    """The names of this machine's loopback interfaces, read from the kernel (IFF_LOOPBACK in their flags)."""
+    folder = Path("/sys/class/net")
+    if not folder.is_dir():
+        pytest.skip("no /sys/class/net to read the network interfaces from")
+    return {entry.name for entry in folder.iterdir() if int((entry / "flags").read_text(), 16) & 0x8}
+
+
+def non_loopback_address() -> str | None:
+    """An IPv4 address of this machine on an interface other than loopback, if it has one."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:  # SIOCGIFADDR
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        address = socket.inet_ntoa(packed[20:24])
+        if not address.startswith("127."):
+            return address
+    return None
+
+
+def _interfaces_set() -> list[str | None]:
+    return [os.environ.get(name) for name in IFNAMES]
+
+
+def test_a_one_machine_rendezvous_puts_gloo_and_nccl_on_the_loopback_interface_unless_the_user_set_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/security.md: gloo and NCCL sockets of every rank use the loopback interface (GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME = lo), unless the user set them; the environment is put back afterwards."""
+    interfaces = loopback_interfaces()
+    for name in IFNAMES:
+        monkeypatch.delenv(name, raising=False)
+    with loopback_rendezvous(timedelta(seconds=10), keep=False):
+        chosen = _interfaces_set()
+    assert chosen[0] == chosen[1] and chosen[0] in interfaces, chosen
+    with loopback_interface_only():  # a one-machine run whose store torchrun's rank 0 hosts
+        assert _interfaces_set() == chosen
+    assert _interfaces_set() == [None, None]
+    for name in IFNAMES:
+        monkeypatch.setenv(name, "eth7")
+    for block in (loopback_rendezvous(timedelta(seconds=10), keep=False), loopback_interface_only()):
+        with block:
+            assert _interfaces_set() == ["eth7", "eth7"], "the user's choice is kept"
+
+
+@pytest.fixture
+def torchrun_agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPStore, str]]:
+    """A stand-in for torchrun's agent store (on every interface, as torchrun's), announced to this process as
+    global rank 0 of a torchrun attempt at ``MASTER_ADDR``: an address of this machine other than loopback where it
+    has one. The stores rank 0 hosts are closed afterwards."""
+    address = non_loopback_address() or "127.0.0.1"
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    environment = {"MASTER_ADDR": address, "MASTER_PORT": str(agent.port), "RANK": "0", "TORCHELASTIC_RUN_ID": "t3"}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    for name in (*IFNAMES, "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    kept = len(rendezvous._kept_for_this_process)
+    yield agent, address
+    while len(rendezvous._kept_for_this_process) > kept:
+        hosted = rendezvous._kept_for_this_process.pop()
+        hosted.listener.detach()  # the store owns the descriptor and closes it when it goes
+        del hosted
+
+
+def _listening_on(port: int) -> list[str]:
+    return [address for pid, address in listening_sockets_of_process_group() if address.endswith(f":{port}")]
+
+
+def test_one_node_torchrun_rank_0_hosts_the_attempts_store_on_loopback(torchrun_agent: tuple[TCPStore, str]) -> None:
+    """docs/security.md: under a one-node torchrun, global rank 0 hosts a store of the attempt on loopback, announced
+    through torchrun's store (whatever address torchrun's was given), and gloo and NCCL use the loopback interface."""
+    agent, _ = torchrun_agent
+    with torchrun_rendezvous(timedelta(seconds=10), single_node=True):
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        assert host == "127.0.0.1"
+        assert agent.get("flair_fabric/t3/0/store").decode() == f"127.0.0.1:{port}"
+        assert _listening_on(port) == [f"127.0.0.1:{port}"]
+        chosen = _interfaces_set()
+        assert chosen[0] == chosen[1] and chosen[0] in loopback_interfaces(), chosen
+
+
+def test_torchrun_over_several_nodes_uses_the_address_it_was_given(torchrun_agent: tuple[TCPStore, str]) -> None:
+    """docs/security.md: a multi-node run uses the addresses you give: rank 0's store of the attempt listens on
+    MASTER_ADDR, and gloo and NCCL are not pinned to loopback."""
+    agent, address = torchrun_agent
+    with torchrun_rendezvous(timedelta(seconds=10), single_node=False):
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        assert host == address and agent.get("flair_fabric/t3/0/store").decode() == f"{address}:{port}"
+        assert _listening_on(port) == [f"{address}:{port}"]
+        assert _interfaces_set() == [None, None]
+
+
+def _what_the_ranks_would_see(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run the job runner with Fabric's launch replaced: the environment the processes would start in, and the
+    sockets this process listens on meanwhile (no process is started)."""
+    seen: dict[str, Any] = {}
+
+    def launch(fabric: Any, function: Any) -> None:
+        seen.update({name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", *IFNAMES)})
+        seen["listening"] = [address for pid, address in listening_sockets_of_process_group() if pid == os.getpid()]
+
+    monkeypatch.setattr(Fabric, "launch", launch)
+    run_on_ranks(config, lambda rank_fabric, argument: None, None)
+    return seen
+
+
+@pytest.mark.parametrize("launcher", ["script", "SLURM"])
+def test_a_run_over_several_machines_uses_the_addresses_given(monkeypatch: pytest.MonkeyPatch, launcher: str) -> None:
+    """docs/security.md: a multi-node run (num_nodes > 1, SLURM over several nodes) uses MASTER_ADDR/MASTER_PORT as
+    given: no store on loopback is hosted, nothing is pinned to the loopback interface."""
+    given = {"MASTER_ADDR": "10.20.30.40", "MASTER_PORT": "29517"}
+    if launcher == "SLURM":
+        given |= {
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NNODES": "2",
+            "SLURM_NODEID": "0",
+            "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0",
+            "SLURM_JOB_NAME": "train",
+        }
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    for name in IFNAMES:
+        monkeypatch.delenv(name, raising=False)
+    before = [address for pid, address in listening_sockets_of_process_group() if pid == os.getpid()]
+    config = make_launch_config(
+        accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", precision=None, use_amp=False
+    )
+    seen = _what_the_ranks_would_see(config, monkeypatch)
+    assert (seen["MASTER_ADDR"], seen["MASTER_PORT"]) == ("10.20.30.40", "29517")
+    assert [seen[name] for name in IFNAMES] == [None, None]
+    assert seen["listening"] == before, "no store may be hosted for a run over several machines"
+    # the same path on one machine does host its store on loopback and pins the interface (the contrast)
+    for name in given:
+        monkeypatch.delenv(name)
+    one_machine = make_launch_config(
+        accelerator="cpu", devices=2, num_nodes=1, strategy="ddp", precision=None, use_amp=False
+    )
+    seen = _what_the_ranks_would_see(one_machine, monkeypatch)
+    assert seen["MASTER_ADDR"] == "127.0.0.1" and f"127.0.0.1:{seen['MASTER_PORT']}" in seen["listening"]
+    assert seen[IFNAMES[0]] in loopback_interfaces()
+
+
+@pytest.mark.multiprocess
+def test_the_result_forked_workers_hand_back_is_loaded_as_data_only(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """docs/security.md: the caller reads global rank 0's hand-off with torch.load(weights_only=True) and an
+    allow-list: a hand-off file that holds code (here written by rank 0 in place of its result) is refused, and the
+    code in it never runs."""
+    marker = tmp_path / "code-ran"
+
+    def hand_back_code(data: Any, path: Path) -> None:  # forked workers inherit it
+        save_private({"result": data, "payload": _CreatesAFile(marker)}, path)
+
+    monkeypatch.setattr(runner, "save_private", hand_back_code)
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    try:
+        flair_fabric.evaluate(
+            model,
+            corpus.test,
+            model.label_type,
+            mini_batch_size=4,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+        )
+    except Exception as error:  # what the caller makes of a hand-off it loaded anyway is no matter here
+        refusal = f"{type(error).__name__}: {error}"
+    else:
+        refusal = ""
+    assert not marker.exists(), "unpickling the hand-off ran the code in it"
+    assert refusal.startswith("UnpicklingError: Weights only load failed"), refusal[:300]

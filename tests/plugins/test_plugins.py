@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,10 @@ def test_progress_bar_is_drawn_by_global_zero_when_asked(logged_run: tuple[Path,
     *_, output = logged_run
     assert all(f"epoch {epoch}" in output for epoch in range(1, EPOCHS + 1))
     assert "samples/s" in output and "loss=" in output
+    # one bar per epoch, whatever the number of processes: a bar renders its empty start (no rate, no loss yet) once
+    # when it is created, so each epoch's start appears once in the ranks' shared output
+    started = re.findall(r"epoch (\d+): +0%\|[^\r\n]*\| 0/\d+ \[00:00<\?, \?step/s\]", output)
+    assert sorted(started) == [str(epoch) for epoch in range(1, EPOCHS + 1)], started
 
 
 def test_progress_bar_choice() -> None:
@@ -245,6 +250,8 @@ def test_a_stop_on_one_rank_stops_both_ranks_at_the_same_point(where: dict[str, 
         assert rank0["epochs"] == [1, 2] and rank0["batch_counts"][-1] == 12  # 24 questions per rank, batch 4
     assert (tmp_path / "final-model.pt").exists()
     log_text = (tmp_path / "training.log").read_text()
+    if "at_epoch" in where:  # agreed right after after_training_epoch: epoch 2 is not evaluated, as in flair
+        assert log_text.count("DEV : loss") == 1
     assert "rank 1 wants to stop" in log_text and "every rank stops here" in log_text
 
 

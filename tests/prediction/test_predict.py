@@ -28,7 +28,8 @@ from flair_fabric import cli
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_questions
 from flair_fabric.evaluation.predictions import record_labels
 from flair_fabric.launch.arguments import LightningArguments
-from flair_fabric.prediction.sharding import Predicted, label_names_of
+from flair_fabric.prediction import api as prediction_api
+from flair_fabric.prediction.sharding import Predicted
 
 from ..model_zoo import ZOO, points_of
 from ..support import (
@@ -71,7 +72,11 @@ def test_in_memory_labels_and_scores_equal_flairs_predict(tmp_path: Path, family
     model.predict(reference, **options)
     returned = flair_fabric.predict(model, ours, devices=2, **FORK, **options)
     assert returned is ours
-    _assert_same_labels(ours, reference, label_names_of(model, None))
+    tasks = getattr(model, "tasks", None)  # a multitask model: every task's labels must come back
+    names = [task.label_type for task in tasks.values()] if isinstance(tasks, dict) else [model.label_type]
+    _assert_same_labels(ours, reference, names)
+    for name in names:
+        assert any(record_labels(point, name) for point in reference), f"flair's predict labels {name}"
 
 
 class _LabelsElsewhere(TextClassifier):
@@ -263,6 +268,8 @@ def test_unreadable_lines_are_reported_with_their_numbers_and_counted(trained_cl
     )
     assert summary.skipped == [(2, "blank line"), (4, "not UTF-8")]
     assert summary.read == 6 and summary.predicted == 4
+    assert summary.seconds > 0
+    assert summary.per_second == pytest.approx(4 / summary.seconds), "data points predicted per second"
     out = (tmp_path / "out.conll").read_text()
     assert out.count(f"# {TREC_LABEL_TYPE} = ") == 4 and "Bath" in out
 
@@ -335,20 +342,43 @@ def test_the_command_line_refuses_a_missing_or_foreign_model_file(arguments: lis
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"input_format": "xml"}, r"input_format='xml' is not a format"),
-        ({"empty": True}, r"is empty: there is nothing to predict"),
-        ({"out_path": None}, r"out_path is needed when data is a file"),
+        pytest.param({"input_format": "xml"}, r"input_format='xml' is not a format", id="unknown-format"),
+        pytest.param({"empty": True}, r"is empty: there is nothing to predict", id="empty-input"),
+        pytest.param({"missing": True}, r"in\.txt' is not a file", id="missing-input"),
+        pytest.param({"out_path": None}, r"out_path is needed when data is a file", id="no-out-path"),
+        pytest.param(
+            {"out_path": "missing/out.jsonl"},
+            r"out_path=.*missing/out\.jsonl'.*folder does not exist",
+            id="out-path-folder-missing",
+        ),
+        pytest.param({"chunk_size": -1}, r"chunk_size=-1 is not valid", id="chunk-size-negative"),
+        pytest.param({"chunk_size": 0}, r"chunk_size=0 is not valid", id="chunk-size-0"),
     ],
 )
 def test_bad_streamed_input_is_refused_before_any_process_starts(
-    trained_classifier: Path, tmp_path: Path, options: dict, message: str
+    trained_classifier: Path, tmp_path: Path, options: dict, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    options = dict(options)
     source = tmp_path / "in.txt"
-    source.write_text("" if options.pop("empty", False) else "What is a cat ?\n")
+    if not options.pop("missing", False):
+        source.write_text("" if options.pop("empty", False) else "What is a cat ?\n")
+    if isinstance(options.get("out_path"), str):
+        options["out_path"] = tmp_path / options["out_path"]
     arguments = {"out_path": tmp_path / "out.jsonl", **options}
     model = TextClassifier.load(trained_classifier)
-    with pytest.raises(ValueError, match=message):
+
+    def no_processes(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("processes were started for input that had to be refused before")
+
+    monkeypatch.setattr(prediction_api, "run_job", no_processes)
+    try:
         flair_fabric.predict(model, source, devices=2, **FORK, **arguments)
+    except ValueError as error:
+        assert re.search(message, str(error)), str(error)
+    except Exception as error:  # any other error is not the documented refusal
+        pytest.fail(f"not refused with a ValueError that names the problem: {type(error).__name__}: {error}")
+    else:
+        pytest.fail("not refused")
 
 
 @pytest.mark.multiprocess
@@ -414,3 +444,129 @@ def test_every_precision_name_predicts_or_is_refused_and_the_callers_model_keeps
     flair_fabric.predict(model, sentences, devices=1, accelerator="cpu", precision=precision, mini_batch_size=4)
     assert all(sentence.get_labels(TREC_LABEL_TYPE) for sentence in sentences)
     assert {parameter.dtype for parameter in model.parameters()} == {torch.float32}, "the caller's model is as it was"
+
+
+class _BatchRecorder(TextClassifier):
+    """Appends the texts of every batch it encodes, with its process id, to the file ``record_to`` (set before the
+    ranks fork)."""
+
+    record_to: Path | None = None
+
+    def _encode_data_points(self, sentences: Any, data_points: Any) -> Any:
+        if self.record_to is not None:
+            with self.record_to.open("a", encoding="utf-8") as stream:
+                texts = [sentence.to_original_text() for sentence in sentences]
+                stream.write(json.dumps({"pid": os.getpid(), "texts": texts}) + "\n")
+        return super()._encode_data_points(sentences, data_points)
+
+
+def _recorded_batches(path: Path) -> dict[int, list[list[str]]]:
+    """Each process's batches (their texts, in order), in the order it encoded them."""
+    batches: dict[int, list[list[str]]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        batches.setdefault(row["pid"], []).append(row["texts"])
+    return batches
+
+
+@pytest.mark.multiprocess
+def test_each_rank_predicts_whole_batches_of_flairs_sort_and_cut_dealt_round_robin(tmp_path: Path) -> None:
+    """11 sentences of different lengths (some of equal length) in batches of 3 on 2 forked ranks: the batches are
+    the ones flair's predict makes in one process (longest first, a stable sort, cut every 3), with the same members
+    in the same order; one rank predicts batches 0 and 2, the other 1 and 3; the labels are flair's."""
+    lengths = [2, 5, 3, 7, 5, 1, 4, 5, 6, 3, 2]
+    texts = [" ".join([f"s{index}", *["what"] * (length - 1)]) for index, length in enumerate(lengths)]
+    model = tiny_text_classifier(small_trec(), model_class=_BatchRecorder)
+    model.eval()
+    _BatchRecorder.record_to = tmp_path / "flair.jsonl"
+    reference = [Sentence(text) for text in texts]
+    model.predict(reference, mini_batch_size=3)
+    (flair_batches,) = _recorded_batches(tmp_path / "flair.jsonl").values()
+    assert [len(batch) for batch in flair_batches] == [3, 3, 3, 2]
+
+    _BatchRecorder.record_to = tmp_path / "ours.jsonl"
+    ours = [Sentence(text) for text in texts]
+    flair_fabric.predict(model, ours, devices=2, mini_batch_size=3, **FORK)
+    per_process = sorted(_recorded_batches(tmp_path / "ours.jsonl").values())
+    assert per_process == sorted([flair_batches[0::2], flair_batches[1::2]])
+    _assert_same_labels(ours, reference, [TREC_LABEL_TYPE])
+
+
+def test_the_command_line_passes_its_process_options_on_to_predict(
+    trained_classifier: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--accelerator, --devices, --num-nodes, --strategy, --precision and --collective-timeout reach
+    ``flair_fabric.predict`` (recorded instead of run); options not given are left to predict's defaults."""
+    source = _question_file(tmp_path / "questions.txt", 3)
+    calls: list[dict[str, Any]] = []
+
+    def recorded(model: Any, data: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return flair_fabric.PredictionSummary(read=3, predicted=3, seconds=1.0)
+
+    monkeypatch.setattr(flair_fabric, "predict", recorded)
+    files = ["--model", str(trained_classifier), "--input", str(source), "--output", str(tmp_path / "out.jsonl")]
+    processes = ["--devices", "2", "--strategy", "ddp_fork", "--accelerator", "cpu", "--num-nodes", "1"]
+    extra = ["--precision", "bf16-mixed", "--collective-timeout", "90"]
+    assert cli.main(["predict", *files, *processes, *extra]) == 0
+    (given,) = calls
+    expected = {
+        "devices": 2,
+        "strategy": "ddp_fork",
+        "accelerator": "cpu",
+        "num_nodes": 1,
+        "precision": "bf16-mixed",
+        "collective_timeout": 90,
+    }
+    assert {name: given.get(name) for name in expected} == expected
+    calls.clear()
+    assert cli.main(["predict", *files]) == 0
+    (given,) = calls
+    defaults = LightningArguments().as_dict()
+    assert {name: given.get(name, defaults[name]) for name in defaults} == defaults, "none given: the defaults"
+
+
+def _bio(sentence: Sentence, label_type: str) -> list[str]:
+    tags = ["O"] * len(sentence)
+    for span in sentence.get_spans(label_type):
+        first = span.tokens[0].idx - 1
+        tags[first : first + len(span)] = [f"B-{span.tag}"] + [f"I-{span.tag}"] * (len(span) - 1)
+    return tags
+
+
+def test_the_command_line_evaluate_scores_the_gold_column_as_flairs_evaluate(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The gold column (1 by default, or ``--column``) of a CoNLL file, scored by ``python -m flair_fabric evaluate``
+    as flair's ``evaluate`` scores it. The gold tags are the tagger's own predictions (flair's predict), so the score
+    is far from 0; a third column holds other tags, which must not be read as gold."""
+    corpus = small_wnut(tmp_path / "wnut", train_size=20, dev_size=2, test_size=2)
+    tagger = tiny_sequence_tagger(corpus)
+    tagger.eval()
+    label_type = tagger.label_type
+    sentences = [Sentence([token.text for token in sentence]) for sentence in list(corpus.train)[:12]]
+    tagger.predict(sentences)
+    assert any(sentence.get_spans(label_type) for sentence in sentences), "the tiny tagger predicts spans"
+    lines = []
+    for sentence in sentences:
+        for token, tag in zip(sentence, _bio(sentence, label_type), strict=True):
+            lines.append(f"{token.text}\t{tag}\tO\n")
+        lines.append("\n")
+    gold = tmp_path / "gold.conll"
+    gold.write_text("".join(lines), encoding="utf-8")
+    model = tmp_path / "tagger.pt"
+    tagger.save(model)
+
+    def scored(*options: str) -> float:
+        capsys.readouterr()
+        arguments = ["--model", str(model), "--input", str(gold), "--gold-label-type", label_type, "--json"]
+        assert cli.main(["evaluate", *arguments, *options, "--devices", "1", "--accelerator", "cpu"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["main_score"]
+
+    reference = SequenceTagger.load(model)
+    expected = reference.evaluate(ColumnDataset(gold, {0: "text", 1: label_type}), label_type, mini_batch_size=32)
+    assert expected.main_score > 0.5, "the gold column holds the tagger's own predictions"
+    assert scored() == pytest.approx(expected.main_score)
+    other = reference.evaluate(ColumnDataset(gold, {0: "text", 2: label_type}), label_type, mini_batch_size=32)
+    assert other.main_score != pytest.approx(expected.main_score)
+    assert scored("--column", "2") == pytest.approx(other.main_score)

@@ -23,7 +23,7 @@ from flair.trainers.plugins import (
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin
-from flair_fabric.distributed.sharded_state import held_bytes
+from flair_fabric.strategies.sharded_state import held_bytes
 from tests.plugin_support import FailAt, FakeClearmlTask, HookCounter, KillJobAt, ListeningSockets
 from tests.support import (
     small_trec,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flair.models import TextClassifier
 
+from flair_fabric import FabricTrainer
 from flair_fabric.state.model_files import save_model_atomically
 
 from ..support import small_trec, state_dict_difference, tiny_text_classifier
@@ -32,3 +34,66 @@ def test_a_save_that_fails_midway_keeps_the_previous_file(tmp_path: Path, monkey
     assert target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["best-model.pt"], "the temporary file is removed"
     assert state_dict_difference(TextClassifier.load(target).state_dict(), model.state_dict()) == 0.0
+
+
+class _BetterEveryEpoch(TextClassifier):
+    """Its dev score rises every epoch, so the trainer writes best-model.pt after every epoch."""
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().evaluate(*args, **kwargs)
+        result.main_score = float(self.model_card["training_parameters"]["epoch"]) / 10
+        return result
+
+
+@pytest.mark.parametrize(
+    ("target", "failing_save", "devices"),
+    [
+        ("best-model.pt", 2, 1),
+        ("final-model.pt", 1, 1),
+        # in one process flair's own CheckpointPlugin writes model_epoch_k.pt with model.save (not atomically)
+        pytest.param("model_epoch_1.pt", 1, 2, marks=pytest.mark.multiprocess),
+    ],
+)
+def test_a_model_file_the_trainer_fails_to_write_leaves_the_previous_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, failing_save: int, devices: int
+) -> None:
+    """best-model.pt, final-model.pt and (with several processes) model_epoch_k.pt written by the trainer itself go
+    through the temporary file and the rename: a save that fails half-way leaves the file the previous save (or an
+    earlier run) wrote, and no temporary file."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, model_class=_BetterEveryEpoch)
+    base_path = tmp_path / "run"
+    base_path.mkdir()
+    if target != "best-model.pt":  # an earlier run's file (best-model.pt is removed when a run starts)
+        save_model_atomically(tiny_text_classifier(corpus), base_path / target)
+    complete = {target: (base_path / target).read_bytes()} if (base_path / target).exists() else {}
+    calls = []
+    original_save = TextClassifier.save
+
+    def save(self: TextClassifier, model_file: Any, checkpoint: bool = False) -> None:
+        original_save(self, model_file, checkpoint)
+        if target not in Path(model_file).name:
+            return
+        calls.append(model_file)
+        if len(calls) == failing_save:
+            Path(model_file).write_bytes(Path(model_file).read_bytes()[:100])
+            raise OSError("disk full")
+        complete[target] = Path(model_file).read_bytes()
+
+    monkeypatch.setattr(TextClassifier, "save", save)
+    with pytest.raises(Exception, match="disk full"):  # from a forked worker: forwarded as another exception
+        FabricTrainer(model, corpus).train(
+            base_path,
+            max_epochs=2,
+            mini_batch_size=8 // devices,
+            accelerator="cpu",
+            devices=devices,
+            strategy="ddp_fork" if devices > 1 else "auto",
+            save_model_each_k_epochs=1,
+            create_file_logs=False,
+        )
+    monkeypatch.undo()
+    assert devices > 1 or len(calls) == failing_save  # (a forked worker counts in its own memory)
+    assert (base_path / target).read_bytes() == complete[target], f"{target} is what its last complete save wrote"
+    TextClassifier.load(base_path / target)
+    assert not list(base_path.glob(".*.tmp")), "the temporary file is removed"

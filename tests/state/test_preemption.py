@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from flair.trainers.plugins import TrainerPlugin
 from lightning.fabric import Fabric
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
-from flair_fabric.state.progress import RunProgress
+from flair_fabric.state.run_state import RunState
 from flair_fabric.state.training_state import (
     complete_checkpoints,
     find_checkpoint,
@@ -69,6 +70,31 @@ class _Steps(TrainerPlugin):
             (self.out / "steps.json").write_text(json.dumps({"trace": self.trace, "embedded": self.embedded}))
 
 
+class _Trained(TrainerPlugin):
+    """On every rank: the texts of each batch it trained, appended to ``<out>/trained-rank<r>.jsonl`` at once (a
+    job killed later keeps what it wrote)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch: list, epoch: int, batch_count: int, **kw: Any) -> None:
+        row = {"epoch": epoch, "step": batch_count, "texts": [point.to_original_text() for point in batch]}
+        with (self.out / f"trained-rank{self.trainer.global_rank}.jsonl").open("a") as stream:
+            stream.write(json.dumps(row) + "\n")
+
+
+def _trained_in(folder: Path, epoch: int, up_to_step: int | None = None) -> Counter:
+    """The data points every rank of the run in ``folder`` trained in ``epoch`` (up to a step), counted."""
+    texts: Counter = Counter()
+    for path in folder.glob("trained-rank*.jsonl"):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["epoch"] == epoch and (up_to_step is None or row["step"] <= up_to_step):
+                texts.update(row["texts"])
+    return texts
+
+
 def _strategy(name: str) -> Any:
     return FlairFSDPStrategy(start_method="fork") if name == "fsdp" else "ddp_fork"
 
@@ -80,7 +106,7 @@ def _train(folder: Path, strategy: str, devices: int = 2, **options: Any) -> tor
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)
     kill_at = options.pop("kill_at", None)
-    plugins = [_Steps(folder, kill_at)]
+    plugins = [_Steps(folder, kill_at), *([_Trained(folder)] if options.pop("record", False) else [])]
     kwargs = {**RESUMABLE, "checkpoint_every_n_steps": 2, **options}
     devices = 1 if strategy == ONE_PROCESS else devices
     chosen = _strategy(strategy) if devices > 1 else "ddp_fork"  # one forked worker: SIGKILL spares the test
@@ -187,8 +213,8 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_a_crash_while_writi
     fabric = Fabric(accelerator="cpu", devices=1)
 
     def save(steps: int) -> None:
-        progress = RunProgress(0, steps, 0.5, 0, 1, {}, step_in_epoch=steps)
-        save_training_state(fabric, tmp_path, model, optimizer, [], progress, {}, keep=2)
+        progress = RunState(0, steps, 0.5, 0, 1, {}, step_in_epoch=steps)
+        save_training_state(fabric, tmp_path, model, optimizer, {}, progress, {}, keep=2)
 
     save(2)
     save(4)
@@ -211,13 +237,23 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_a_crash_while_writi
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_three(tmp_path: Path, strategy: str) -> None:
+    """... and the interrupted epoch trains exactly the data points the two processes had not read yet."""
     written = tmp_path / "two"
     with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
-        _train(written, strategy, kill_at=9)  # a checkpoint in the middle of epoch 2
+        _train(written, strategy, kill_at=9, record=True)  # a checkpoint in the middle of epoch 2
+    saved = read_progress(newest_checkpoint(written))
+    assert (saved.epoch, saved.step_in_epoch) == (1, 2)
+    read_before = _trained_in(written, epoch=2, up_to_step=saved.batch_count)
+    assert sum(read_before.values()) == saved.epoch_position == 16
+    every_point = Counter(point.to_original_text() for point in small_trec().train)
     for devices in (1, 3):
         folder = tmp_path / f"on-{devices}"
         shutil.copytree(written, folder)
-        _train(folder, strategy, devices=devices, resume_from="auto", create_file_logs=True)
+        for record in folder.glob("trained-rank*.jsonl"):
+            record.unlink()
+        _train(folder, strategy, devices=devices, resume_from="auto", create_file_logs=True, record=True)
+        assert _trained_in(folder, epoch=2) == every_point - read_before, "the rest of the epoch, each point once"
+        assert _trained_in(folder, epoch=3) == every_point, "the next epoch is whole"
         train_loss = _loss_rows(folder)[0].index("TRAIN_LOSS")
         losses = [float(row[train_loss]) for row in _loss_rows(folder)[1:]]
         assert len(losses) == 3 and losses[2] < losses[0], "training goes on"

@@ -49,6 +49,42 @@ def test_resuming_on_one_device_gives_the_weights_of_an_uninterrupted_run(tmp_pa
     assert state_dict_difference(first.state_dict(), second.state_dict()) > 1e-3
 
 
+class _ScriptedDevScores(TextClassifier):
+    """Its dev score per epoch is fixed: best after epoch 2, worse after epochs 3 and 4."""
+
+    SCORES = {1: 0.5, 2: 0.9, 3: 0.3, 4: 0.4}
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().evaluate(*args, **kwargs)
+        result.main_score = self.SCORES[self.model_card["training_parameters"]["epoch"]]
+        return result
+
+
+def test_a_resumed_run_keeps_the_best_score_and_replaces_best_model_pt_only_with_a_better_epoch(
+    tmp_path: Path,
+) -> None:
+    """Resumed after epoch 2 (the best, 0.9), epochs 3 (0.3) and 4 (0.4) are worse than the best so far: the resumed
+    run leaves best-model.pt as it was, as the uninterrupted run does."""
+    settings = {**ONE_DEVICE, "use_final_model_for_eval": False}  # best-model.pt is written
+
+    def train(base_path: Path, **options: Any) -> None:
+        model, corpus = _classifier(model_class=_ScriptedDevScores)
+        FabricTrainer(model, corpus).train(base_path, **settings, **options)
+
+    train(tmp_path / "once", max_epochs=4)
+    train(tmp_path / "twice", max_epochs=2)
+    best_after_two = (tmp_path / "twice" / "best-model.pt").read_bytes()
+    train(tmp_path / "twice", max_epochs=4, resume_from="auto")
+    assert read_progress(newest_checkpoint(tmp_path / "twice")).epoch == 4
+    assert read_progress(newest_checkpoint(tmp_path / "twice")).best_epoch_score == 0.9
+    assert (tmp_path / "twice" / "best-model.pt").read_bytes() == best_after_two, "a worse epoch replaced it"
+    uninterrupted = TextClassifier.load(tmp_path / "once" / "best-model.pt").state_dict()
+    assert (
+        state_dict_difference(uninterrupted, TextClassifier.load(tmp_path / "twice" / "best-model.pt").state_dict())
+        <= 1e-7
+    )
+
+
 class _EpochStart(TrainerPlugin):
     """On global rank 0, at the start of every epoch: the weights, the learning rate and the optimizer's momentum
     buffers, saved to ``<out>/epoch-start.pt`` after training."""
@@ -108,7 +144,7 @@ def test_bad_resume_and_base_path_input_is_refused_before_anything_is_written(tm
     with pytest.raises(ValueError, match=r"was written for another model \(differs in: .*vocab_dictionary"):
         FabricTrainer(other_model, corpus).train(tmp_path / "run", max_epochs=2, resume_from="auto", **ONE_DEVICE)
     with pytest.raises(ValueError, match=r"is not a flair-fabric checkpoint \(no progress.json in it\)"):
-        FabricTrainer(model, corpus).train(tmp_path / "new", resume_from=tmp_path / "run", **ONE_DEVICE)
+        FabricTrainer(model, corpus).train(tmp_path / "new", resume_from=tmp_path, **ONE_DEVICE)
     with pytest.raises(ValueError, match=r"epoch=2 and resume_from=.* \(which ends at epoch 1\) were both given"):
         FabricTrainer(model, corpus).train(tmp_path / "run", epoch=2, resume_from="auto", **ONE_DEVICE)
     with pytest.raises(ValueError, match=r"checkpoint_every_n_epochs=-1 is not valid"):

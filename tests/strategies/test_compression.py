@@ -102,6 +102,24 @@ def test_powersgd_with_unused_parameters_is_refused_with_the_reason(tmp_path: Pa
         _train(tmp_path / "run", find_unused_parameters=True, gradient_compression="powersgd")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("compression", "largest_share"), [("bf16", 0.03), ("fp16", 0.003)])
+def test_half_precision_compression_works_where_ddp_searches_for_unused_parameters(
+    exact: tuple[dict[str, torch.Tensor], float], tmp_path: Path, compression: str, largest_share: float
+) -> None:
+    """Unlike PowerSGD, bf16 and fp16 are accepted with find_unused_parameters=True and train as without it: the
+    ranks stay identical, close to exact DDP."""
+    exact_weights, moved = exact
+    try:
+        rank0, rank1 = _train(tmp_path / "run", find_unused_parameters=True, gradient_compression=compression)
+    except Exception as error:
+        failure = f"{type(error).__name__}: {error}"
+        pytest.fail(f"gradient_compression={compression!r} with find_unused_parameters=True did not train: {failure}")
+    assert state_dict_difference(rank0, rank1) == 0.0
+    share = state_dict_difference(rank0, exact_weights) / moved
+    assert 0.0 < share <= largest_share, f"{compression}: {share:.4f} of training's change away from exact DDP"
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import signal
+import sys
+import types
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,12 +17,16 @@ from flair.data import Corpus
 from flair.datasets import FlairDatapointDataset
 from flair.trainers import ModelTrainer
 
-from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
+import flair_fabric
+from flair_fabric import FabricLanguageModelTrainer, FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric.launch import config as launch_module
+from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import make_launch_config, resolve_devices
 from flair_fabric.strategies import deepspeed as deepspeed_module
+from flair_fabric.training import progress_bar as progress_bar_module
+from flair_fabric.training.arguments import TrainingOptions, split_added_arguments
 
-from ..support import EventRecorder, small_trec, tiny_text_classifier
+from ..support import REPO, EventRecorder, small_trec, tiny_text_classifier
 
 
 @pytest.fixture(scope="module")
@@ -147,22 +155,43 @@ def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:
         FabricTrainer(model, one).train(tmp_path, accelerator="cpu", devices=2)
 
 
-OURS = {
-    "accelerator": "auto",
-    "devices": "auto",
-    "num_nodes": 1,
-    "strategy": "auto",
-    "precision": None,
-    "progress_bar": None,
-    "checkpoint_every_n_epochs": 0,
-    "checkpoint_every_n_steps": None,
-    "checkpoint_every_n_minutes": None,
-    "keep_checkpoints": 1,
-    "requeue_signal": signal.SIGUSR1,
-    "resume_from": None,
-    "collective_timeout": None,
-    "balance_batches": True,
-}
+def _readme_arguments() -> dict[str, tuple[Any, str, str]]:
+    """The README's argument table: name -> (default, accepted, meaning); the default is the first value shown."""
+    rows = {}
+    for line in (REPO / "README.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`") and cells[0].endswith("`"):
+            shown = cells[1].split("`")[1]
+            default = signal.SIGUSR1 if shown == "signal.SIGUSR1" else ast.literal_eval(shown)
+            rows[cells[0].strip("`")] = (default, cells[2], cells[3])
+    return rows
+
+
+def test_the_added_arguments_are_declared_once_and_the_readme_and_every_signature_show_them() -> None:
+    """The README's table (the independent reference) lists exactly Lightning's and flair-fabric's arguments, with the
+    defaults and texts of their one declaration; every entry point's signature shows those defaults, and what
+    ``train_custom`` binds is those records (a name it does not know goes to flair, as in flair's trainer)."""
+    readme = _readme_arguments()
+    declared = [*fields(LightningArguments), *fields(TrainingOptions)]
+    assert list(readme) == [each.name for each in declared]
+    for each in declared:
+        default, accepted, meaning = readme[each.name]
+        assert default == each.default, each.name
+        assert (accepted, meaning) == (each.metadata["accepted"], each.metadata["meaning"]), each.name
+    lightning = {name: default for name, (default, _, _) in readme.items() if name in LightningArguments.names()}
+    for method in (FabricTrainer.train, FabricTrainer.fine_tune, FabricTrainer.train_custom):
+        shown = inspect.signature(method).parameters
+        assert {name: shown[name].default for name in readme} == {name: row[0] for name, row in readme.items()}
+    for entry in (FabricLanguageModelTrainer.train, flair_fabric.predict, flair_fabric.evaluate):
+        shown = inspect.signature(entry).parameters
+        assert {name: shown[name].default for name in lightning} == lightning, entry.__qualname__
+    passed = {name: object() for name in readme}
+    bound_lightning, bound_options, rest = split_added_arguments({**passed, "momentum": 0.9})
+    assert {
+        **bound_lightning.as_dict(),
+        **{name: getattr(bound_options, name) for name in TrainingOptions.names()},
+    } == passed
+    assert rest == {"momentum": 0.9}, "the optimizer's arguments stay flair's"
 
 
 def test_every_flair_argument_is_accepted_and_reaches_the_run(tmp_path: Path) -> None:
@@ -174,8 +203,7 @@ def test_every_flair_argument_is_accepted_and_reaches_the_run(tmp_path: Path) ->
         if name not in ("self", "base_path", "kwargs")
     }
     shown = inspect.signature(FabricTrainer.train_custom).parameters
-    assert set(shown) - {"self", "base_path", "kwargs"} == set(flair_parameters) | set(OURS)
-    assert {name: shown[name].default for name in OURS} == OURS
+    assert set(shown) - {"self", "base_path", "kwargs"} == set(flair_parameters) | set(_readme_arguments())
     setups = []
     for trainer_class, extra in ((ModelTrainer, {}), (FabricTrainer, {"accelerator": "cpu", "devices": 1})):
         corpus = small_trec()
@@ -220,3 +248,20 @@ def test_collective_timeout_reaches_the_process_group(strategy: Any, given: Any,
     )
     assert config.collective_timeout == expected
     assert config.strategy._timeout == expected  # what Lightning passes to init_process_group
+
+
+@pytest.mark.parametrize(
+    ("terminal", "notebook", "drawn"),
+    [(True, False, True), (False, True, True), (True, True, True), (False, False, False)],
+)
+def test_progress_bar_none_draws_in_a_terminal_or_a_notebook(
+    monkeypatch: pytest.MonkeyPatch, terminal: bool, notebook: bool, drawn: bool
+) -> None:
+    """README / docs/notebooks.md: progress_bar=None (the default) shows the bar in a terminal or a notebook, and on
+    global rank 0 only; a batch job's log (neither) stays free of bar lines."""
+    monkeypatch.setattr(progress_bar_module, "in_jupyter_kernel", lambda: notebook)
+    monkeypatch.setattr(sys, "stderr", types.SimpleNamespace(isatty=lambda: terminal))
+    assert progress_bar_module.show_progress_bar(None, is_global_zero=True) is drawn
+    assert progress_bar_module.show_progress_bar(None, is_global_zero=False) is False
+    for method in (FabricTrainer.train, FabricTrainer.fine_tune, FabricTrainer.train_custom):
+        assert inspect.signature(method).parameters["progress_bar"].default is None

@@ -121,6 +121,23 @@ def test_sequence_tagger_matches_flair_fine_tune(tmp_path: Path) -> None:
     _assert_same_events(flair_events, fabric_events)
 
 
+def test_shuffle_first_epoch_false_matches_flair(tmp_path: Path) -> None:
+    """README: flair's arguments keep flair's meaning: shuffle=True with shuffle_first_epoch=False reads the first
+    epoch in order and shuffles the later ones, as flair's trainer does (same losses, same weights)."""
+
+    def build():
+        corpus = small_trec()
+        return tiny_text_classifier(corpus), corpus
+
+    arguments = {"max_epochs": 2, "mini_batch_size": 8, "learning_rate": 0.1, "shuffle": True}
+    sides = _train_both(build, "train_custom", tmp_path, shuffle_first_epoch=False, **arguments)
+    (flair_model, flair_result, _, _), (fabric_model, fabric_result, _, _) = sides["flair"], sides["fabric"]
+    assert len(flair_result["train_loss_history"]) == 2
+    for expected, actual in zip(flair_result["train_loss_history"], fabric_result["train_loss_history"], strict=True):
+        _assert_close(expected, actual)
+    assert state_dict_difference(flair_model.state_dict(), fabric_model.state_dict()) <= 1e-6
+
+
 def test_saved_model_loads_with_flair(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)

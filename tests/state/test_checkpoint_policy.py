@@ -1,0 +1,255 @@
+"""The checkpoint arguments as docs/preemption.md documents them, in one process: the defaults, when a step
+checkpoint due at an epoch's end is taken, the agreement points (flair's log points and every 20 steps, never
+every step), preemption signals by name, ``resume_from="auto"`` without a checkpoint, the gradient scaler."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flair.trainers.plugins import TrainerPlugin
+from lightning.fabric import Fabric
+
+from flair_fabric import FabricTrainer
+from flair_fabric.distributed.lockstep import Lockstep
+from flair_fabric.state.policy import REQUEUE_EXIT_CODE, CheckpointPolicy
+from flair_fabric.state.run_state import RunState
+from flair_fabric.state.training_state import (
+    complete_checkpoints,
+    load_training_state,
+    read_progress,
+    save_training_state,
+)
+
+from ..support import small_trec, tiny_text_classifier
+
+ONE_PROCESS = {"accelerator": "cpu", "devices": 1, "create_file_logs": False}
+
+
+def _loss_column(base_path: Path, column: str) -> list[float]:
+    rows = [line.split("\t") for line in (base_path / "loss.tsv").read_text().splitlines()]
+    index = rows[0].index(column)
+    return [float(row[index]) for row in rows[1:]]
+
+
+# --- defaults -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["train", "fine_tune"])
+def test_a_run_with_the_default_arguments_writes_no_checkpoint(tmp_path: Path, method: str) -> None:
+    """checkpoint_every_n_epochs=0, checkpoint_every_n_steps=None and checkpoint_every_n_minutes=None by default: a
+    run that passes none of them writes no checkpoint at all."""
+    corpus = small_trec()
+    getattr(FabricTrainer(tiny_text_classifier(corpus), corpus), method)(
+        tmp_path, max_epochs=2, mini_batch_size=8, **ONE_PROCESS
+    )
+    assert (tmp_path / "final-model.pt").is_file(), "the run trained"
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_only_the_newest_checkpoint_is_kept_by_default(tmp_path: Path) -> None:
+    """keep_checkpoints=1 by default: of the checkpoints after epochs 1, 2 and 3 only the last one is left."""
+    corpus = small_trec()
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path, max_epochs=3, mini_batch_size=8, checkpoint_every_n_epochs=1, **ONE_PROCESS
+    )
+    kept = complete_checkpoints(tmp_path)
+    assert len(kept) == 1 and read_progress(kept[0]).epoch == 3
+    assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == [kept[0].name], "nothing else is left"
+
+
+# --- a step checkpoint at an epoch's last step --------------------------------------------------------------------
+
+
+def test_a_step_checkpoint_due_at_an_epochs_last_step_is_taken_after_its_evaluation(tmp_path: Path) -> None:
+    """48 questions in batches of 8 (6 steps per epoch), a checkpoint every 3 steps: steps 3 and 9 are saved inside
+    their epochs; steps 6 and 12 end their epochs and are saved as complete epochs, after the evaluation (they hold
+    the epoch's dev score as the best so far)."""
+    corpus = small_trec()
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path, max_epochs=2, mini_batch_size=8, checkpoint_every_n_steps=3, keep_checkpoints=10, **ONE_PROCESS
+    )
+    saved = {path.name: read_progress(path) for path in complete_checkpoints(tmp_path)}
+    assert sorted(saved) == [f"step-{step:09d}" for step in (3, 6, 9, 12)]
+    inside = {name: (p.epoch, p.step_in_epoch) for name, p in saved.items()}
+    assert inside == {
+        "step-000000003": (0, 3),
+        "step-000000006": (1, 0),
+        "step-000000009": (1, 3),
+        "step-000000012": (2, 0),
+    }
+    dev_scores = _loss_column(tmp_path, "DEV_F1")  # the main metric: micro F1
+    assert saved["step-000000006"].best_epoch_score == pytest.approx(dev_scores[0], abs=1e-4)
+    assert saved["step-000000012"].best_epoch_score == pytest.approx(max(dev_scores), abs=1e-4)
+
+
+# --- agreement points ---------------------------------------------------------------------------------------------
+
+STEPS = 250  # batches of 1: flair's log points every 25 steps, further apart than the agreements every 20
+AGREEMENTS = sorted(set(range(20, STEPS + 1, 20)) | set(range(25, STEPS + 1, 25)))
+
+
+class _Steps(TrainerPlugin):
+    """The step the run is in (1-based), for code that runs between a step's start and its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+
+    @TrainerPlugin.hook
+    def before_training_batch(self, batch_no: int, **kw: Any) -> None:
+        self.step = batch_no + 1
+
+
+def test_the_ranks_agree_at_log_points_and_every_20_steps_never_each_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch of 250 steps: the run agrees (one small all-reduce with several processes) at flair's log points and
+    every 20 steps, and once at the epoch's end, nowhere else; a checkpoint asked for by rank 0's clock (due at
+    every step here) is taken at each agreement point, the first after 20 steps."""
+    steps = _Steps()
+    agreed_at: list[int] = []
+    agree = Lockstep.agree
+
+    def counted(self: Lockstep, *values: Any) -> Any:
+        agreed_at.append(steps.step)
+        return agree(self, *values)
+
+    monkeypatch.setattr(Lockstep, "agree", counted)
+    corpus = small_trec(train_size=STEPS)
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path,
+        max_epochs=1,
+        mini_batch_size=1,
+        checkpoint_every_n_minutes=1e-9,
+        keep_checkpoints=1000,
+        plugins=[steps],
+        **ONE_PROCESS,
+    )
+    assert agreed_at == [*AGREEMENTS, STEPS]  # the last: the epoch's train loss
+    taken = [read_progress(path) for path in complete_checkpoints(tmp_path)]
+    assert [progress.batch_count for progress in taken] == AGREEMENTS
+    assert taken[0].step_in_epoch == 20
+
+
+@pytest.mark.parametrize(
+    ("requeue_signal", "sent"),
+    [(None, signal.SIGUSR1), ("SIGTERM", signal.SIGTERM), ("USR1", signal.SIGUSR1)],
+    ids=["default", "SIGTERM", "USR1"],
+)
+def test_a_preemption_signal_is_taken_within_20_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requeue_signal: str | None, sent: signal.Signals
+) -> None:
+    """The preemption signal (SIGUSR1 by default, or one given by name) arrives at step 1; flair's first log point
+    is at step 25, the run stops at the agreement after step 20: one checkpoint there, exit code 75."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+
+    class SignalAtStepOne(TrainerPlugin):
+        @TrainerPlugin.hook
+        def after_training_batch(self, batch_no: int, **kw: Any) -> None:
+            if batch_no == 0:
+                os.kill(os.getpid(), sent)
+
+    corpus = small_trec(train_size=STEPS)
+    chosen = {} if requeue_signal is None else {"requeue_signal": requeue_signal}
+    with pytest.raises(SystemExit) as exited:
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+            tmp_path, max_epochs=1, mini_batch_size=1, plugins=[SignalAtStepOne()], **chosen, **ONE_PROCESS
+        )
+    assert exited.value.code == REQUEUE_EXIT_CODE
+    taken = complete_checkpoints(tmp_path)
+    assert [(read_progress(path).epoch, read_progress(path).step_in_epoch) for path in taken] == [(0, 20)]
+    assert not (tmp_path / "final-model.pt").exists(), "a preempted run ends for its requeue"
+
+
+# --- requeue_signal -----------------------------------------------------------------------------------------------
+
+
+def _requeue_signal(value: Any) -> signal.Signals | None:
+    try:
+        return CheckpointPolicy.checked(requeue_signal=value).requeue_signal
+    except ValueError as error:
+        pytest.fail(f"requeue_signal={value!r} was refused: {error}")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("SIGTERM", signal.SIGTERM),
+        ("TERM", signal.SIGTERM),
+        ("SIGUSR1", signal.SIGUSR1),
+        ("USR2", signal.SIGUSR2),
+        (signal.SIGUSR1, signal.SIGUSR1),
+        (int(signal.SIGTERM), signal.SIGTERM),
+        (None, None),
+    ],
+)
+def test_requeue_signal_takes_a_signal_its_name_with_or_without_sig_or_none(
+    value: Any, expected: signal.Signals | None
+) -> None:
+    assert _requeue_signal(value) is expected
+
+
+def test_requeue_signal_is_sigusr1_unless_given() -> None:
+    """The documented default, for the policy and for the trainer's argument."""
+    assert CheckpointPolicy.checked().requeue_signal is signal.SIGUSR1
+    import inspect
+
+    default = inspect.signature(FabricTrainer.train_custom).parameters["requeue_signal"].default
+    assert _requeue_signal(default) is signal.SIGUSR1
+
+
+# --- resume_from="auto" without a checkpoint ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("earlier_run", [False, True], ids=["empty-folder", "run-without-checkpoints"])
+def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path: Path, earlier_run: bool) -> None:
+    """``resume_from="auto"`` in a folder with no complete checkpoint (empty, or a run that wrote none, with a
+    broken write of one left behind) trains from the first epoch instead of failing."""
+    corpus = small_trec()
+    if earlier_run:
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(tmp_path, max_epochs=1, **ONE_PROCESS)
+        (tmp_path / "checkpoints" / ".step-000000003.tmp").mkdir(parents=True)
+        for written in ("final-model.pt", "loss.tsv"):  # (flair appends a second table to an existing loss.tsv)
+            (tmp_path / written).unlink()
+    try:
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+            tmp_path, max_epochs=2, mini_batch_size=8, resume_from="auto", **ONE_PROCESS
+        )
+    except ValueError as error:
+        pytest.fail(f'resume_from="auto" without a checkpoint was refused: {error}')
+    assert (tmp_path / "final-model.pt").is_file()
+    assert [line.split("\t")[0] for line in (tmp_path / "loss.tsv").read_text().splitlines()] == ["EPOCH", "1", "2"]
+
+
+# --- the gradient scaler ------------------------------------------------------------------------------------------
+
+
+def _fabric_with_scaler() -> tuple[Fabric, torch.amp.GradScaler]:
+    fabric = Fabric(accelerator="cpu", devices=1)
+    scaler = torch.amp.GradScaler("cpu")
+    fabric.strategy.precision.scaler = scaler  # as under 16-mixed (CPU runs have none)
+    return fabric, scaler
+
+
+def test_a_checkpoint_holds_the_gradient_scaler_and_a_resume_restores_it(tmp_path: Path) -> None:
+    """The scaler's scale and growth tracker (where a 16-mixed run's dynamic loss scaling stands) come back."""
+    fabric, scaler = _fabric_with_scaler()
+    scaler.load_state_dict(
+        {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "_growth_tracker": 17}
+    )
+    model = tiny_text_classifier(small_trec())
+    module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    save_training_state(fabric, tmp_path, module, optimizer, {}, RunState(1, 6, 0.5, 0, 1, {}), {}, keep=1)
+
+    fabric, fresh = _fabric_with_scaler()
+    assert fresh.get_scale() == 65536.0
+    model = tiny_text_classifier(small_trec())
+    module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    load_training_state(fabric, complete_checkpoints(tmp_path)[0], {})
+    assert fresh.get_scale() == 1024.0
+    assert fresh.state_dict()["_growth_tracker"] == 17
