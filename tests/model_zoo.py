@@ -25,6 +25,7 @@ import re
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -674,6 +675,20 @@ def learns_nothing(model: Model, sentences: Sequence[DataPoint]) -> bool:
         for point in sentences:
             point.clear_embeddings()
     return loss.grad_fn is None
+
+
+def limit_passes(model: Model, most_points: int, ranks: Sequence[int]) -> None:
+    """Make ``model`` run out of memory, as a CUDA device does, on any pass of more than ``most_points`` data points
+    on the given global ranks (``torch.OutOfMemoryError``): a model whose batches fit only in chunks."""
+    train_on = type(model).forward_loss
+
+    def forward_loss(self: Model, points: list) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if len(points) > most_points and rank in ranks:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {len(points)} > {most_points} data points)")
+        return train_on(self, points)
+
+    model.forward_loss = types.MethodType(forward_loss, model)  # type: ignore[method-assign]
 
 
 def rank_batches(points: Sequence[DataPoint], rank: int, world_size: int = 2, batch_size: int = 2) -> list[list[Any]]:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from .context import CheckSpec, Context, Unit
 from .language_model import unit_language_model
+from .memory_cap import unit_memory_cap
 from .one_gpu import ONE_GPU_CUDA_REASONS, ONE_GPU_PROBES, ONE_GPU_TITLES, unit_one_gpu
 from .one_gpu import PROBES as ONE_GPU_PROBE_FUNCTIONS
 from .parity import unit_parity
@@ -162,6 +163,19 @@ UNITS: tuple[Unit, ...] = (
         budget_s=150,
         dry_budget_s=45,
         env={"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE},
+    ),
+    Unit(
+        "memory_cap",
+        (
+            CheckSpec(
+                "chunks_under_memory_cap",
+                "mini_batch_chunk_size under a memory cap that whole batches exceed",
+                "caps the process's CUDA memory (torch.cuda.set_per_process_memory_fraction)",
+            ),
+        ),
+        unit_memory_cap,
+        budget_s=120,
+        dry_budget_s=10,
     ),
 )
 UNITS_BY_NAME = {unit.name: unit for unit in UNITS}

@@ -35,19 +35,26 @@ def learns_something(loss: torch.Tensor) -> bool:
     return loss.grad_fn is not None
 
 
+def largest_pass(mini_batch_size: int, mini_batch_chunk_size: int | None) -> int:
+    """The most data points one forward pass of a training step holds: one chunk of the batch (flair runs a batch
+    in chunks when ``mini_batch_chunk_size`` is smaller than it). No pass flair-fabric adds holds more."""
+    return min(mini_batch_chunk_size, mini_batch_size) if mini_batch_chunk_size else mini_batch_size
+
+
 def find_stand_in_batch(
-    model: flair.nn.Model, train_data: Dataset, mini_batch_size: int, max_batches: int = 8
+    model: flair.nn.Model, train_data: Dataset, pass_size: int, points_to_search: int
 ) -> list | None:
-    """The first of the first ``max_batches`` train mini-batches (in the split's order) whose loss depends on the
-    parameters, for :class:`Participation`; ``None`` if none has (every step then learns nothing on every rank, and
-    no rank enters a gradient collective). Runs the model in train mode without a backward pass and leaves no trace.
+    """The first run of ``pass_size`` train data points (in the split's order, among the first
+    ``points_to_search``) whose loss depends on the parameters, for :class:`Participation`; ``None`` if none has
+    (every step then learns nothing on every rank, and no rank enters a gradient collective). Runs the model in train
+    mode, one pass of at most ``pass_size`` points at a time, without a backward pass, and leaves no trace.
     """
     size = _len_dataset(train_data)
     was_training = model.training
     model.train()
     try:
-        for start in range(0, min(size, max_batches * mini_batch_size), mini_batch_size):
-            batch = [train_data[index] for index in range(start, min(start + mini_batch_size, size))]
+        for start in range(0, min(size, points_to_search), pass_size):
+            batch = [train_data[index] for index in range(start, min(start + pass_size, size))]
             with leaves_no_trace(model, batch):
                 loss, _ = model.forward_loss(batch)
                 found = learns_something(loss)

@@ -34,7 +34,7 @@ from flair_fabric.training.checkpointing import Checkpointing, Preempted
 from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
-from flair_fabric.training.participation import Participation, find_stand_in_batch
+from flair_fabric.training.participation import Participation, find_stand_in_batch, largest_pass
 from flair_fabric.training.progress_bar import EpochProgressBar
 from flair_fabric.training.sampling import (
     EpochBatches,
@@ -126,11 +126,15 @@ class TrainingRun:
         balanced = fabric.world_size > 1 and self.arguments.balance_batches and keeps_whole_model(fabric.strategy)
         self.lengths = data_point_lengths(self.data.train) if balanced else None
 
-        # a step that learns nothing on one rank must still take part in the others' collectives
+        # a step that learns nothing on one rank must still take part in the others' collectives; these set-up
+        # passes hold no more data points than one chunk of a training step (a run that fits only in chunks fits)
+        pass_size = largest_pass(a.mini_batch_size, a.mini_batch_chunk_size)
         stand_in = (
-            find_stand_in_batch(trainer.model, self.data.train, a.mini_batch_size) if fabric.world_size > 1 else None
+            find_stand_in_batch(trainer.model, self.data.train, pass_size, points_to_search=8 * a.mini_batch_size)
+            if fabric.world_size > 1
+            else None
         )
-        probe = stand_in or [self.data.train[i] for i in range(min(a.mini_batch_size, self.data.size))]
+        probe = stand_in or [self.data.train[i] for i in range(min(pass_size, self.data.size))]
         prepared = self.strategy.set_up(
             SetUp(
                 fabric,

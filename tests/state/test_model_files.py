@@ -91,6 +91,7 @@ def test_a_model_file_the_trainer_fails_to_write_leaves_the_previous_one(
             strategy="ddp_fork" if devices > 1 else "auto",
             save_model_each_k_epochs=1,
             create_file_logs=False,
+            collective_timeout=5,  # the other rank waits for the failed one no longer than that
         )
     monkeypatch.undo()
     assert devices > 1 or len(calls) == failing_save  # (a forked worker counts in its own memory)
