@@ -47,8 +47,21 @@ def parse_args() -> argparse.Namespace:
         choices=["bf16", "fp16", "powersgd"],
         help="compress the gradients DDP all-reduces (default: exact)",
     )
+    parser.add_argument(
+        "--val-check-interval",
+        type=lambda text: float(text) if "." in text else int(text),
+        help="also evaluate inside epochs: every N optimizer steps (an int) or every fraction of an epoch (e.g. 0.25);"
+        " prints the learning curve (default: at epoch ends only)",
+    )
     parser.add_argument("--summary-json", type=Path, help="also write the scores and the time to this JSON file")
     return parser.parse_args()
+
+
+def learning_curve(loss_file: Path) -> str:
+    """The dev score after each evaluation, by optimizer step (loss.tsv's STEP and DEV_F1 columns)."""
+    rows = [line.split("\t") for line in loss_file.read_text().splitlines()]
+    step, score = rows[0].index("STEP"), rows[0].index("DEV_F1")
+    return ", ".join(f"{row[step]}: {float(row[score]):.3f}" for row in rows[1:])
 
 
 def main() -> None:
@@ -74,6 +87,7 @@ def main() -> None:
         devices=args.devices,
         strategy=FlairDDPStrategy(gradient_compression=args.gradient_compression) if args.devices > 1 else "auto",
         plugins=[MetricHistoryPlugin()],
+        val_check_interval=args.val_check_interval,
     )
     seconds = time.perf_counter() - start
 
@@ -84,6 +98,8 @@ def main() -> None:
         print(f"TREC-6, {len(corpus.train)} train / {len(corpus.dev)} dev / {len(corpus.test)} test questions,")
         print(f"{args.epochs} epoch(s) on {trainer.world_size} CPU process(es), {seconds:.0f} s")
         print(f"test accuracy: {result['test_score']:.4f}")
+        if args.val_check_interval is not None:
+            print(f"dev F1 by step: {learning_curve(args.output / 'loss.tsv')}")
         print(f"final model:   {final_model} ({'written' if final_model.exists() else 'missing'})")
         if best_model.exists():
             print(f"best model:    {best_model}")

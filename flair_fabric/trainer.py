@@ -31,9 +31,11 @@ from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
+from flair_fabric.training.evaluating import steps_between_evaluations
 from flair_fabric.training.job import TrainingJob
 from flair_fabric.training.progress_bar import show_progress_bar
 from flair_fabric.training.run import TrainingRun
+from flair_fabric.training.sampling import steps_per_epoch
 from flair_fabric.training.setup import sample_on_global_zero
 
 log = logging.getLogger("flair")
@@ -42,9 +44,10 @@ log = logging.getLogger("flair")
 class FabricTrainer(ModelTrainer):
     """flair's :class:`~flair.trainers.ModelTrainer`, trained through Lightning Fabric on one or many devices.
 
-    Use it exactly like ``ModelTrainer``; ``train``, ``fine_tune`` and ``train_custom`` also take ``accelerator``,
-    ``devices``, ``num_nodes``, ``strategy``, ``precision``, ``progress_bar``, ``checkpoint_every_n_epochs``,
-    ``resume_from``, ``collective_timeout`` and ``balance_batches``. ``devices=2`` in an ordinary script is enough:
+    Use it exactly like ``ModelTrainer``; ``train``, ``fine_tune`` and ``train_custom`` also take Lightning's
+    arguments (``accelerator``, ``devices``, ``num_nodes``, ``strategy``, ``precision``, ``collective_timeout``) and
+    flair-fabric's (checkpoints and resume, ``balance_batches``, ``val_check_interval``, ...; the README's table lists
+    them all). ``devices=2`` in an ordinary script is enough:
     the script is relaunched once per extra device by Fabric, or left alone when ``torchrun`` started it.
     """
 
@@ -110,11 +113,7 @@ class FabricTrainer(ModelTrainer):
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
         flair_arguments = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
-        if not isinstance(options.balance_batches, bool):
-            raise ValueError(
-                f"balance_batches={options.balance_batches!r} is not valid: pass True (each step dealt by length) or"
-                " False (strided shards)."
-            )
+        options.check()
         if flair_arguments.multi_gpu:
             raise ValueError(
                 "multi_gpu=True is flair's own multi-GPU mode; FabricTrainer starts the processes itself:"
@@ -142,6 +141,7 @@ class FabricTrainer(ModelTrainer):
             resume_folder=resume_folder,
             start_epoch=start_epoch,
             balance_batches=options.balance_batches,
+            val_check_interval=options.val_check_interval,
         )
         self._check_run(arguments)
         return run_job(TrainingJob(self, arguments), launch)
@@ -166,6 +166,8 @@ class FabricTrainer(ModelTrainer):
                 f"the train split has {size} data point(s) for {arguments.launch.world_size} processes: every process"
                 " needs at least one; use fewer devices or more training data."
             )
+        steps = steps_per_epoch(size, a.mini_batch_size, arguments.launch.world_size)
+        steps_between_evaluations(arguments.val_check_interval, steps)  # refused here if it does not fit an epoch
 
     def attach_run(self, fabric: Fabric, run: TrainingRun | None) -> None:
         """The run this trainer is in on this rank (``None`` after it); its Fabric stays for the rank properties."""

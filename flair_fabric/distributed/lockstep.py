@@ -54,6 +54,13 @@ class Agreed:
     preempted: str | None = None
     """The preemption signal a rank received: checkpoint, then end the job for a requeue."""
 
+    @staticmethod
+    def either(first: Agreed | None, second: Agreed) -> Agreed:
+        """Two agreements of one step as one: a checkpoint or a preemption either asked for (``second``'s values)."""
+        if first is None:
+            return second
+        return Agreed(second.values, first.checkpoint or second.checkpoint, first.preempted or second.preempted)
+
 
 class Lockstep:
     """Holds a rank's pending stop, checkpoint request or preemption (in the run's :class:`AgreementFlags`) and makes

@@ -8,7 +8,7 @@ is all flair's ``attach_to_all_processes`` does, is not enough: here they are on
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,6 +27,8 @@ from flair.trainers.plugins import (
     WeightExtractorPlugin,
 )
 from lightning.fabric import Fabric
+
+from flair_fabric.plugins.step_loss_file import StepLossFilePlugin
 
 log = logging.getLogger("flair")
 
@@ -193,12 +195,16 @@ def attach_builtin_plugins(
     save_model_each_k_epochs: int,
     save_optimizer_state: bool,
     epoch: int,
+    loss_rows_by_step: Callable[[], int] | None = None,
 ) -> None:
-    """Attach the plugins flair's ``train_custom`` adds itself, in flair's order; writers only on global rank 0."""
+    """Attach the plugins flair's ``train_custom`` adds itself, in flair's order; writers only on global rank 0.
+    ``loss_rows_by_step``: evaluations inside epochs, ``loss.tsv`` gets a row per evaluation with the step it gives."""
     if fabric.is_global_zero:
         if create_file_logs:
             LogFilePlugin(base_path=base_path).attach_to(trainer)
-        if create_loss_file:
+        if create_loss_file and loss_rows_by_step is not None:
+            StepLossFilePlugin(base_path, epoch, loss_rows_by_step).attach_to(trainer)
+        elif create_loss_file:
             LossFilePlugin(base_path=base_path, epoch=epoch).attach_to(trainer)
         if write_weights:
             WeightExtractorPlugin(base_path=base_path).attach_to(trainer)

@@ -273,14 +273,16 @@ def load_training_state(
     return progress, list(extras["ranks"]), dict(extras.get("job", {}))
 
 
-def keep_loss_rows_up_to(loss_file: Path, epoch: int) -> None:
-    """Drop the rows of flair's ``loss.tsv`` after ``epoch`` (written after the checkpoint a run resumes from)."""
+def keep_loss_rows_up_to(loss_file: Path, epoch: int, step: int) -> None:
+    """Drop the rows of ``loss.tsv`` written after the checkpoint a run resumes from: after ``epoch`` (flair's rows,
+    one per epoch), or after optimizer step ``step`` (rows of evaluations inside epochs, with a ``STEP`` column)."""
     if not loss_file.is_file():
         return
-    if epoch == 0:  # flair writes the header with the first epoch's row
-        loss_file.unlink()
-        return
     lines = loss_file.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for number, line in enumerate(lines) if number == 0 or int(line.split("\t", 1)[0]) <= epoch]
-    if kept != lines:
-        loss_file.write_text("".join(kept), encoding="utf-8")
+    header = lines[0].rstrip("\n").split("\t") if lines else []
+    column, last = (header.index("STEP"), step) if "STEP" in header else (0, epoch)
+    rows = [line for line in lines[1:] if int(line.split("\t")[column]) <= last]
+    if not rows:  # the header is written again with the first row
+        loss_file.unlink()
+    elif len(rows) + 1 != len(lines):
+        loss_file.write_text("".join(lines[:1] + rows), encoding="utf-8")

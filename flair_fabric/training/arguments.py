@@ -116,10 +116,39 @@ class TrainingOptions:
         ),
     )
 
+    val_check_interval: int | float | None = field(
+        default=None,
+        metadata=_about(
+            "also evaluate (dev score, `loss.tsv` row, `best-model.pt`, annealing, `after_evaluation`) inside epochs:"
+            " an int is every n optimizer steps of an epoch, a float in (0, 1] that fraction of an epoch's steps;"
+            " `None`: at epoch ends only, as flair",
+            "`None`, int >= 1, float in (0, 1]",
+            "also evaluate inside epochs, as at an epoch's end: every n optimizer steps of an epoch (int), or every"
+            " fraction of an epoch's steps (float in (0, 1]); None: at epoch ends only, as flair.",
+        ),
+    )
+
     @classmethod
     def names(cls) -> list[str]:
         """The option names, in order."""
         return [each.name for each in fields(cls)]
+
+    def check(self) -> None:
+        """Refuse options of the wrong kind, naming the argument and the fix (before any process starts)."""
+        if not isinstance(self.balance_batches, bool):
+            raise ValueError(
+                f"balance_batches={self.balance_batches!r} is not valid: pass True (each step dealt by length) or"
+                " False (strided shards)."
+            )
+        interval = self.val_check_interval
+        valid_int = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
+        valid_fraction = isinstance(interval, float) and 0.0 < interval <= 1.0
+        if interval is not None and not (valid_int or valid_fraction):
+            raise ValueError(
+                f"val_check_interval={interval!r} is not valid: pass a number of optimizer steps (an int >= 1), a"
+                " fraction of an epoch (a float in (0, 1], e.g. 0.25 for four evaluations per epoch), or None to"
+                " evaluate at epoch ends only."
+            )
 
 
 _ANNOTATIONS = {
@@ -132,6 +161,7 @@ _ANNOTATIONS = {
     "checkpoint_every_n_minutes": "Optional[float]",
     "requeue_signal": "Union[signal.Signals, str, None]",
     "resume_from": "Union[str, Path, None]",
+    "val_check_interval": "Union[int, float, None]",
 }
 ADDED_PARAMETERS = [
     inspect.Parameter(
@@ -252,6 +282,8 @@ class TrainArguments:
     """The completed epochs the run starts after: flair's ``epoch``, or the resumed checkpoint's."""
     balance_batches: bool = True
     """Several processes: deal each step's data points to the ranks by length."""
+    val_check_interval: int | float | None = None
+    """Evaluate inside epochs too: every n optimizer steps (int) or every fraction of an epoch (float)."""
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -282,6 +314,7 @@ class TrainArguments:
             "resume_from": str(self.resume_folder) if self.resume_folder is not None else None,
             "collective_timeout": launch.collective_timeout,
             "balance_batches": self.balance_batches,
+            "val_check_interval": self.val_check_interval,
         }
         parameters.update(self.flair.kwargs)
         return parameters

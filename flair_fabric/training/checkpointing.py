@@ -127,7 +127,7 @@ class Checkpointing:
         progress.best_epoch_score, progress.seed = saved.best_epoch_score, saved.seed
         progress.step_in_epoch, progress.epoch_position = saved.step_in_epoch, saved.epoch_position
         if run.fabric.is_global_zero:
-            keep_loss_rows_up_to(run.base_path / "loss.tsv", saved.epoch)
+            keep_loss_rows_up_to(run.base_path / "loss.tsv", saved.epoch, saved.batch_count)
         same = saved.world_size == run.fabric.world_size
         if not same:
             log.warning(

@@ -31,7 +31,13 @@ from flair_fabric.strategies import keeps_whole_model, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Checkpointing, Preempted
-from flair_fabric.training.evaluating import evaluate_epoch, test_final_model
+from flair_fabric.training.evaluating import (
+    evaluate_epoch,
+    evaluate_inside_epoch,
+    evaluation_due,
+    steps_between_evaluations,
+    test_final_model,
+)
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.participation import Participation, find_stand_in_batch, largest_pass
@@ -118,7 +124,7 @@ class TrainingRun:
             fabric, {"corpus": corpus_fingerprint(trainer.corpus), "model": model_fingerprint(trainer.model)}
         )
         base_path_ready(self.base_path)
-        self.plugins = attach_plugins(trainer, fabric, self.arguments)
+        self.plugins = attach_plugins(trainer, fabric, self.arguments, lambda: self.progress.batch_count)
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)
         self.data = training_data(trainer, trainer.corpus, a)
@@ -148,6 +154,7 @@ class TrainingRun:
         self.module, trainer.optimizer, trainer.model = prepared.module, prepared.optimizer, prepared.model
         self.participation = Participation(trainer.model, stand_in) if fabric.world_size > 1 else None
         self.steps_per_epoch = steps_per_epoch(self.data.size, a.mini_batch_size, fabric.world_size)
+        self.evaluation_interval = steps_between_evaluations(self.arguments.val_check_interval, self.steps_per_epoch)
         self.progress.seed = shared_seed(fabric) if fabric.world_size > 1 else 0
         self.progress.best_epoch_score = 0 if self.data.best_by_dev_score else float("inf")
 
@@ -175,7 +182,9 @@ class TrainingRun:
                 log.info(f"EPOCH {epoch} done: loss {train_loss:.4f}{lr_info}")
                 trainer.dispatch("after_training_epoch", epoch=epoch)
                 self.agree_on_stopping()
-                evaluate_epoch(self, epoch, train_loss)
+                if self.evaluation_interval is not None:  # the row's learning rate now, as inside the epoch
+                    trainer._get_current_lr_and_momentum(self.progress.batch_count)
+                evaluate_epoch(self, epoch, train_loss, self.metric_step(epoch))
                 self.progress.epoch = epoch
                 epoch_end, self.progress.epoch_end = self.progress.epoch_end, EpochEnd.NOTHING
                 if self.checkpointing.due_after_epoch(epoch) or epoch_end is not EpochEnd.NOTHING:
@@ -271,15 +280,22 @@ class TrainingRun:
                     agreed = self.lockstep.agree()
                 trainer.dispatch("after_training_batch", **batch_kw)
                 bar.step()
+                if evaluation_due(self.evaluation_interval, batch_no + 1, plan.total):
+                    agreed = Agreed.either(agreed, evaluate_inside_epoch(self, epoch, epoch_loss))
                 self.checkpointing.after_step(agreed, epoch_loss, last=batch_no + 1 == plan.total)
         finally:
             bar.close()
 
         self.position.at("the train loss all-reduce at the end of the epoch")
         train_loss = self.global_loss(epoch_loss)[0].mean
-        trainer._record(MetricRecord.scalar(("train", "loss"), train_loss, epoch))
+        trainer._record(MetricRecord.scalar(("train", "loss"), train_loss, self.metric_step(epoch)))
         progress.step_in_epoch = progress.epoch_position = 0
         return train_loss, lr_info
+
+    def metric_step(self, epoch: int) -> int:
+        """The step a train loss or an evaluation is recorded at: flair's epoch, or with ``val_check_interval`` the
+        optimizer step (so that evaluations inside and at the end of epochs lie on one axis)."""
+        return epoch if self.evaluation_interval is None else self.progress.batch_count
 
     def _batches_of(self, epoch: int, epoch_loss: LossTracker) -> EpochBatches:
         """This rank's batches of ``epoch``; after a mid-epoch resume only those not trained yet, never read."""

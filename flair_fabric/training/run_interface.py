@@ -8,12 +8,13 @@ from typing import Any, Protocol
 
 from lightning.fabric import Fabric
 
-from flair_fabric.distributed.lockstep import Lockstep
+from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.state.run_state import RunState
 from flair_fabric.strategies.base import TrainingStrategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.interface import FlairTrainer
+from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.participation import Participation
 from flair_fabric.training.setup import TrainingData
 
@@ -35,6 +36,10 @@ class Run(Protocol):
     base_path: Path
     participation: Participation | None
     dynamic_embeddings: list[str] | None
+
+    def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:
+        """The loss all-reduced over the ranks; where the ranks also agree on stops and checkpoints."""
+        ...
 
     def agree_on_stopping(self) -> None:
         """Every rank stops here if a plugin on any rank stopped since the last agreement."""

@@ -4,6 +4,7 @@ optimizer flair would build. Every rank does it alike; writers are made on globa
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -43,9 +44,12 @@ class TrainingData:
         return _len_dataset(self.train)
 
 
-def attach_plugins(trainer: FlairTrainer, fabric: Fabric, arguments: TrainArguments) -> list[TrainerPlugin]:
+def attach_plugins(
+    trainer: FlairTrainer, fabric: Fabric, arguments: TrainArguments, step_of: Callable[[], int]
+) -> list[TrainerPlugin]:
     """The user's plugins (flair's fixed for several processes where needed) and the ones flair adds itself, attached
-    in flair's order; returns the user's plugins as attached."""
+    in flair's order; returns the user's plugins as attached. ``step_of``: the run's optimizer step now (for
+    ``loss.tsv`` rows of evaluations inside epochs)."""
     flair_arguments = arguments.flair
     plugins = for_world_size(flair_arguments.plugins or [], fabric.world_size)
     for plugin in plugins:
@@ -62,6 +66,7 @@ def attach_plugins(trainer: FlairTrainer, fabric: Fabric, arguments: TrainArgume
         save_model_each_k_epochs=flair_arguments.save_model_each_k_epochs,
         save_optimizer_state=flair_arguments.save_optimizer_state,
         epoch=arguments.start_epoch,
+        loss_rows_by_step=step_of if arguments.val_check_interval is not None else None,
     )
     return plugins
 

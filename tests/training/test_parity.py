@@ -38,6 +38,7 @@ FABRIC_ONLY_SETUP_KEYS = {
     "keep_checkpoints",
     "requeue_signal",
     "balance_batches",
+    "val_check_interval",
 }
 
 
