@@ -13,6 +13,7 @@ Runs on several machines keep the addresses they were given (see ``docs/security
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from flair_fabric.launch.environment import environment_restored
+
+log = logging.getLogger("flair")
 
 LOOPBACK = "127.0.0.1"
 _VARIABLES = (
@@ -38,6 +41,53 @@ def loopback_interface() -> str | None:
     """The name of this machine's loopback network interface (``lo`` on Linux, ``lo0`` on macOS), if it has one."""
     names = [name for _, name in socket.if_nameindex()]
     return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def interface_towards(host: str) -> str | None:
+    """The name of the network interface through which this machine reaches ``host`` (the route the kernel picks for
+    it), or ``None`` where that cannot be found (no IPv4 route, an address on no interface, not Linux)."""
+    try:
+        address = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP "connect" sends nothing: the kernel only chooses route and source
+            source = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            if _ipv4_address(name) == source:
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def _ipv4_address(interface: str) -> str | None:
+    """The IPv4 address of ``interface`` (Linux ``SIOCGIFADDR``), or ``None``."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+            request = struct.pack("256s", interface.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(query.fileno(), 0x8915, request)[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+@contextmanager
+def interface_facing(main_address: str) -> Iterator[None]:
+    """gloo and NCCL on the interface that reaches ``main_address`` (several machines), unless the user chose one
+    (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). Left to themselves they take the address this machine's name
+    resolves to, which is a loopback address on many systems (Debian's ``127.0.1.1`` line in ``/etc/hosts``): the
+    other machines then cannot connect."""
+    interface = interface_towards(main_address)
+    with environment_restored("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+            log.info(
+                f"collectives on {os.environ['GLOO_SOCKET_IFNAME']} (gloo) / {os.environ['NCCL_SOCKET_IFNAME']} (NCCL):"
+                f" the interface that reaches {main_address}"
+            )
+        yield
 
 
 @dataclass
@@ -106,7 +156,8 @@ def torchrun_rendezvous(timeout: timedelta, *, single_node: bool) -> Iterator[No
     """Under torchrun: a store of this attempt's own, hosted by global rank 0 and announced through torchrun's agent
     store, which every attempt shares. (Keys of an earlier attempt left in the agent's store would send a restarted
     rank to a dead peer: gloo's "Connection refused" after ``--max-restarts``.) On one node it listens on loopback
-    and the collectives use the loopback interface; on several nodes on ``MASTER_ADDR``."""
+    and the collectives use the loopback interface; on several nodes on ``MASTER_ADDR``, and the collectives use the
+    interface that reaches it (see :func:`interface_facing`)."""
     agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = (
         f"flair_fabric/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -117,13 +168,10 @@ def torchrun_rendezvous(timeout: timedelta, *, single_node: bool) -> Iterator[No
         _kept_for_this_process.append(hosted)  # the process group uses it for the rest of this process
         agent.set(f"{attempt}/store", f"{address}:{hosted.port}")
     host, port = agent.get(f"{attempt}/store").decode().rsplit(":", 1)  # waits for rank 0
-    interface = loopback_interface() if single_node else None
     with environment_restored(*_VARIABLES):
         os.environ.update({"MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": "True"})
-        if interface is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
-        yield
+        with loopback_interface_only() if single_node else interface_facing(host):
+            yield
 
 
 @contextmanager

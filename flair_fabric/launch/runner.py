@@ -50,7 +50,12 @@ from flair_fabric.launch.failures import (
     graceful_interrupts,
     stop_started_processes,
 )
-from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous, torchrun_rendezvous
+from flair_fabric.launch.rendezvous import (
+    interface_facing,
+    loopback_interface_only,
+    loopback_rendezvous,
+    torchrun_rendezvous,
+)
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
 from flair_fabric.state.safe_loading import load_data, save_private
 from flair_fabric.strategies import start_method, starts_processes_itself
@@ -80,12 +85,15 @@ def _rendezvous(fabric: Fabric, timeout: timedelta) -> contextlib.AbstractContex
     if starts_every_process_here(fabric):
         return loopback_rendezvous(timeout, keep=not starts_workers(fabric))
     launched = external_launch()
-    if launched is None or fabric.world_size == 1:
+    if fabric.world_size == 1:
         return contextlib.nullcontext()
-    if launched.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if launched and launched.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return torchrun_rendezvous(timeout, single_node=launched.num_nodes == 1)
-    if launched.num_nodes != 1:
-        return contextlib.nullcontext()  # several machines: the addresses the user gave
+    if (launched.num_nodes if launched else getattr(fabric.strategy, "num_nodes", 1)) != 1:
+        # several machines: the addresses the user gave, and the interface that reaches the main one
+        return interface_facing(fabric.strategy.cluster_environment.main_address)  # type: ignore[attr-defined]
+    if launched is None:
+        return contextlib.nullcontext()
     if launched.launcher == "SLURM":  # task 0 hosts the store on the port SLURM's environment names
         port = fabric.strategy.cluster_environment.main_port  # type: ignore[attr-defined]
         return loopback_rendezvous(timeout, keep=True, port=port, host=os.environ.get("SLURM_PROCID") == "0")

@@ -167,15 +167,18 @@ def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(t
 def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_best_model(tmp_path: Path) -> None:
     corpus = small_wnut(tmp_path / "wnut")  # sentences with span labels: plain pickling fails on them
     model = tiny_sequence_tagger(corpus)
-    FabricTrainer(model, corpus).train(
-        tmp_path / "run",
-        max_epochs=3,
-        mini_batch_size=8,
-        learning_rate=0.1,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-    )
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path / "run",
+            max_epochs=3,
+            mini_batch_size=8,
+            learning_rate=0.1,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+        )
+    except Exception as error:
+        pytest.fail(f"ddp_spawn could not train on sentences with span labels: {error!r}")
     best = SequenceTagger.load(tmp_path / "run" / "best-model.pt")  # train() picks the best epoch on dev
     assert state_dict_difference(model.state_dict(), best.state_dict()) == 0.0
     texts = ["Justin Bieber is in New York tonight", "going to the Apple store"]
@@ -212,6 +215,7 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
     assert {p.name for p in node0.iterdir()} >= {"training.log", "loss.tsv", "best-model.pt", "final-model.pt"}
     assert not list(node1.iterdir()), "logs and models are written by global rank 0 only"
     results = tmp_path / "node1" / "results" / "nodes"
+    assert (results / "summary-rank1.json").exists(), "node 1's process knows itself as global rank 1"
     rank1 = json.loads((results / "summary-rank1.json").read_text())
     assert (rank1["node_rank"], rank1["local_rank"], rank1["device"], rank1["world_size"]) == (1, 0, "cpu", 2)
     # anneal_with_restarts reloaded the best model on both nodes from rank 0's file, over the process group: the
@@ -307,9 +311,15 @@ class _DeviceSeen(TrainerPlugin):
         super().__init__()
         self.out = out
 
+    def attach_to(self, pluggable: Any) -> None:
+        """In set-up, before any pass: what flair.device says on this rank (a pass on a wrong device fails)."""
+        super().attach_to(pluggable)
+        rank = pluggable.global_rank
+        (self.out / f"device-rank{rank}.json").write_text(json.dumps({"flair": str(flair.device), "parameter": None}))
+
     @TrainerPlugin.hook
-    def after_training_batch(self, batch: list, batch_no: int, **kw: object) -> None:
-        if batch_no == 0:
+    def before_training_batch(self, batch: list, batch_no: int, **kw: object) -> None:
+        if batch_no == 0:  # before the first pass (which fails on a device nobody computes on)
             seen = {"flair": str(flair.device), "parameter": str(next(self.model.parameters()).device)}
             (self.out / f"device-rank{self.trainer.global_rank}.json").write_text(json.dumps(seen))
 
@@ -321,6 +331,7 @@ def test_every_rank_computes_on_the_device_fabric_gives_it(tmp_path: Path) -> No
     model = tiny_text_classifier(corpus)
     callers_device = flair.device
     flair.device = torch.device("meta")
+    failed: Exception | None = None
     try:
         FabricTrainer(model, corpus).train(
             tmp_path,
@@ -331,10 +342,14 @@ def test_every_rank_computes_on_the_device_fabric_gives_it(tmp_path: Path) -> No
             strategy="ddp_fork",
             plugins=[_DeviceSeen(tmp_path)],
         )
+    except Exception as error:  # what each rank saw is checked first, then the failure is raised
+        failed = error
     finally:
         flair.device = callers_device
     for rank in (0, 1):
         assert json.loads((tmp_path / f"device-rank{rank}.json").read_text()) == {"flair": "cpu", "parameter": "cpu"}
+    if failed is not None:
+        raise failed
 
 
 @pytest.mark.multiprocess

@@ -8,6 +8,7 @@ import fcntl
 import os
 import socket
 import struct
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
@@ -90,6 +91,21 @@ def non_loopback_address() -> str | None:
     return None
 
 
+def _route_interface(address: str) -> str:
+    """The interface that holds the source address the kernel picks for ``address``, as ``ip route get`` and ``ip
+    addr`` say (the independent reference; for one of this machine's own addresses, the interface holding it)."""
+    route = subprocess.run(["ip", "-o", "route", "get", address], capture_output=True, text=True, check=True).stdout
+    words = route.split()
+    source = words[words.index("src") + 1]
+    for line in subprocess.run(
+        ["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True
+    ).stdout.splitlines():
+        fields = line.split()
+        if fields[3].split("/")[0] == source:
+            return fields[1]
+    raise AssertionError(f"no interface holds {source}")
+
+
 def _interfaces_set() -> list[str | None]:
     return [os.environ.get(name) for name in IFNAMES]
 
@@ -154,13 +170,14 @@ def test_one_node_torchrun_rank_0_hosts_the_attempts_store_on_loopback(torchrun_
 
 def test_torchrun_over_several_nodes_uses_the_address_it_was_given(torchrun_agent: tuple[TCPStore, str]) -> None:
     """docs/security.md: a multi-node run uses the addresses you give: rank 0's store of the attempt listens on
-    MASTER_ADDR, and gloo and NCCL are not pinned to loopback."""
+    MASTER_ADDR, and gloo and NCCL use the interface that reaches it, not loopback (docs/launching.md)."""
     agent, address = torchrun_agent
+    facing = _route_interface(address)
     with torchrun_rendezvous(timedelta(seconds=10), single_node=False):
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         assert host == address and agent.get("flair_fabric/t3/0/store").decode() == f"{address}:{port}"
         assert _listening_on(port) == [f"{address}:{port}"]
-        assert _interfaces_set() == [None, None]
+        assert _interfaces_set() == [facing, facing] and facing not in loopback_interfaces()
 
 
 def _what_the_ranks_would_see(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -202,7 +219,8 @@ def test_a_run_over_several_machines_uses_the_addresses_given(monkeypatch: pytes
     )
     seen = _what_the_ranks_would_see(config, monkeypatch)
     assert (seen["MASTER_ADDR"], seen["MASTER_PORT"]) == ("10.20.30.40", "29517")
-    assert [seen[name] for name in IFNAMES] == [None, None]
+    facing = _route_interface("10.20.30.40")  # the interface of the route to the main address
+    assert [seen[name] for name in IFNAMES] == [facing, facing] and facing not in loopback_interfaces()
     assert seen["listening"] == before, "no store may be hosted for a run over several machines"
     # the same path on one machine does host its store on loopback and pins the interface (the contrast)
     for name in given:

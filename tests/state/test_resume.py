@@ -192,6 +192,8 @@ def test_a_tampered_checkpoint_is_refused_and_runs_nothing(tmp_path: Path, strat
         with (tampered / relative).open("wb") as stream:
             pickle.dump(_CreatesAFile(marker), stream)
         resumed, corpus = _classifier()
-        with pytest.raises(ValueError, match=rf"{re.escape(relative.name)}.* nothing in it was run"):
+        with pytest.raises(Exception) as refused:  # refused in the caller, before any process: a ValueError
             FabricTrainer(resumed, corpus).train(tmp_path / "resumed", max_epochs=2, resume_from=tampered, **settings())
         assert not marker.exists(), f"replacing {relative} ran code"
+        assert refused.type is ValueError, f"replacing {relative}: not refused before launch but {refused.value!r}"
+        assert re.search(rf"{re.escape(relative.name)}.* nothing in it was run", str(refused.value)), refused.value
