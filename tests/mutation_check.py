@@ -14,6 +14,7 @@ that catches a bug is printed.
 
     python tests/mutation_check.py                  # every bug; results in benchmarks/results/mutation_check.*
     python tests/mutation_check.py predict resume   # the bugs whose name or claim id contains a word
+    python tests/mutation_check.py --from 120       # the bugs from the 120th on (a long check in parts)
 """
 
 from __future__ import annotations
@@ -210,4 +211,8 @@ def run(selected: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run(sys.argv[1:]))
+    arguments = sys.argv[1:]
+    if arguments[:1] == ["--from"]:  # a long check in parts: the bugs from the n-th on (0-based)
+        MUTATIONS[:] = MUTATIONS[int(arguments[1]) :]
+        arguments = arguments[2:] or [""]  # a selection: the results of a part are printed, not written
+    raise SystemExit(run(arguments))

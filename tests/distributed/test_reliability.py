@@ -231,14 +231,19 @@ class _SlowOwnEvaluate(TextClassifier):
 def test_work_of_rank_zero_alone_does_not_trip_the_collective_timeout(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus, model_class=_SlowOwnEvaluate)
-    FabricTrainer(model, corpus).train(
-        tmp_path,
-        max_epochs=1,
-        mini_batch_size=4,
-        devices=2,
-        accelerator="cpu",
-        strategy="ddp_fork",
-        collective_timeout=3,  # rank 1 waits 5 s for each of rank 0's evaluations
-    )
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path,
+            max_epochs=1,
+            mini_batch_size=4,
+            devices=2,
+            accelerator="cpu",
+            strategy="ddp_fork",
+            collective_timeout=3,  # rank 1 waits 5 s for each of rank 0's evaluations
+        )
+    except Exception as error:
+        if "waited longer than collective_timeout" in str(error):
+            pytest.fail(f"rank 0's work alone tripped the collective timeout: {error}")
+        raise
     assert "evaluating on global rank 0 only" in (tmp_path / "training.log").read_text()
     assert (tmp_path / "test.tsv").is_file()

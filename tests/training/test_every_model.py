@@ -67,16 +67,21 @@ def test_two_ranks_train_like_flair_on_the_union(name: str, tmp_path: Path) -> N
     if name in NOTHING_TO_LEARN_ON_ODD:  # the layout this test is about: rank 1's batches learn nothing
         assert all(learns_nothing(model, batch) for batch in rank_batches(list(corpus.train), rank=1))
     trainer = FabricTrainer(model, corpus)
-    trainer.train(
-        tmp_path / "fabric-run",
-        mini_batch_size=BATCH,
-        devices=2,
-        accelerator="cpu",
-        strategy="ddp_fork",
-        collective_timeout=20,  # a rank left waiting fails the test quickly
-        **COMMON,
-        **extra,
-    )
+    try:
+        trainer.train(
+            tmp_path / "fabric-run",
+            mini_batch_size=BATCH,
+            devices=2,
+            accelerator="cpu",
+            strategy="ddp_fork",
+            collective_timeout=20,  # a rank left waiting fails the test quickly
+            **COMMON,
+            **extra,
+        )
+    except Exception as error:
+        if "waited longer than collective_timeout" in str(error):
+            pytest.fail(f"a rank was left waiting in a collective: {error}")
+        raise
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
     # the epoch's train loss is the mean over all data points of both ranks (rank 1 learns nothing for some models)
     assert _train_losses(tmp_path / "fabric-run") == pytest.approx(_train_losses(tmp_path / "flair"), abs=2e-4)
@@ -140,6 +145,8 @@ def test_chunks_that_learn_nothing_and_uneven_chunk_counts_keep_the_ranks_togeth
     except Exception as error:
         if "out of memory (injected" in str(error):
             pytest.fail(f"a pass held more data points than one chunk: {error}")
+        if "waited longer than collective_timeout" in str(error):
+            pytest.fail(f"a rank was left waiting in a collective: {error}")
         raise
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
     assert _train_losses(tmp_path / "fabric-run") == pytest.approx(_train_losses(tmp_path / "flair"), abs=2e-4)
