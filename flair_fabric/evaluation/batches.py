@@ -63,6 +63,53 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says a device ran out of memory: CUDA's ``torch.OutOfMemoryError``, MPS's and the CPU
+    allocator's ``RuntimeError``."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "MPS backend out of memory" in text or "DefaultCPUAllocator: can't allocate memory" in text
+    )
+
+
+def _summed(parts: list[Any]) -> Any:
+    """What ``predict`` returns for a batch, from what it returned for its parts: ``None``, a loss, or ``(loss sum,
+    count)`` summed (flair's losses are sums)."""
+    if parts[0] is None:
+        return None
+    if isinstance(parts[0], tuple):
+        return tuple(sum(values) for values in zip(*parts, strict=True))
+    return sum(parts)
+
+
+def predict_in_parts(model: Any, batch: list[DataPoint], predict_kwargs: dict[str, Any], names: list[str]) -> Any:
+    """``model.predict(batch, ...)``; a batch that runs out of device memory is freed (and the labels ``names`` a
+    part of it got) and predicted again in halves, and so on, down to one data point (then the error names it). Each
+    data point gets the labels and scores it gets in one pass wherever the model's predictions do not depend on their
+    batch."""
+    try:
+        return model.predict(batch, **predict_kwargs)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_out_of_memory(error):
+            raise
+        failed = error
+    for data_point in batch:
+        data_point.clear_embeddings()
+        for name in names:
+            data_point.remove_labels(name)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if len(batch) == 1:
+        raise RuntimeError(
+            f"predicting one data point alone runs out of memory: {batch[0].unlabeled_identifier[:200]!r}"
+        ) from failed
+    middle = (len(batch) + 1) // 2
+    halves = (batch[:middle], batch[middle:])
+    return _summed([predict_in_parts(model, half, predict_kwargs, names) for half in halves])
+
+
 def predict_batches(
     model: Any,
     batches: Iterable[tuple[int, list[int], list[DataPoint]]],
@@ -73,14 +120,15 @@ def predict_batches(
 ) -> list[PredictedBatch] | Unmovable:
     """Predict each ``(number, positions, data points)`` batch with ``model.predict(batch, **predict_kwargs)`` (one
     call per batch, so that every data point meets the neighbours and padding it meets in one process) after removing
-    the labels named ``names``, and record them; :class:`Unmovable` (and nothing else) if a label cannot be moved."""
+    the labels named ``names``, and record them; :class:`Unmovable` (and nothing else) if a label cannot be moved. A
+    batch that runs out of device memory is predicted in halves (:func:`predict_in_parts`)."""
     predicted = []
     with torch.no_grad():
         for number, positions, batch in batches:
             for data_point in batch:
                 for name in names:
                     data_point.remove_labels(name)
-            returned = model.predict(batch, **predict_kwargs)
+            returned = predict_in_parts(model, batch, predict_kwargs, names)
             try:
                 labels = [{name: record_labels(data_point, name) for name in names} for data_point in batch]
             except UnsupportedPrediction as error:
