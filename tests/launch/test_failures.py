@@ -71,3 +71,16 @@ def test_the_first_signal_is_held_the_second_one_interrupts(signal_number: signa
         time.sleep(1)
     assert signal.getsignal(signal_number) is not_held, "the previous handler is back after the block"
     signal.signal(signal_number, before)
+
+
+def test_a_signal_held_by_an_outer_block_is_told_to_a_block_that_begins_later() -> None:
+    """A Ctrl-C during a worker's set-up is held by the worker's outer block; the training's own block, which begins
+    later, is told of it at once and stops at its first agreement point (docs/notebooks.md)."""
+    outer: list[str] = []
+    inner: list[str] = []
+    with graceful_interrupts(outer.append):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert outer == ["SIGINT"]
+        with graceful_interrupts(inner.append):
+            assert inner == ["SIGINT"], "the block that begins after the signal is told of it at once"
