@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,23 +137,33 @@ def test_a_checkpoint_of_one_process_resumes_on_two(tmp_path: Path) -> None:
     assert start["lr"] == first_run["optimizer"]["param_groups"][0]["lr"]
 
 
+@contextlib.contextmanager
+def _refused(pattern: str) -> Iterator[None]:
+    """The block must be refused with a ValueError whose message matches ``pattern`` (any other error, or none,
+    fails the test with an assertion: the input was not refused as the docs say)."""
+    with pytest.raises(Exception) as raised:
+        yield
+    assert raised.type is ValueError, f"not refused with a ValueError but {raised.value!r}"
+    assert re.search(pattern, str(raised.value)), f"{pattern!r} not in {raised.value}"
+
+
 def test_bad_resume_and_base_path_input_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     model, corpus = _classifier()
     FabricTrainer(model, corpus).train(tmp_path / "run", max_epochs=1, **ONE_DEVICE)
     files = {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()}
 
     other_model = tiny_text_classifier(small_trec(train_size=40, seed=5))  # another vocabulary
-    with pytest.raises(ValueError, match=r"was written for another model \(differs in: .*vocab_dictionary"):
+    with _refused(r"was written for another model \(differs in: .*vocab_dictionary"):
         FabricTrainer(other_model, corpus).train(tmp_path / "run", max_epochs=2, resume_from="auto", **ONE_DEVICE)
-    with pytest.raises(ValueError, match=r"is not a flair-fabric checkpoint \(no progress.json in it\)"):
+    with _refused(r"is not a flair-fabric checkpoint \(no progress.json in it\)"):
         FabricTrainer(model, corpus).train(tmp_path / "new", resume_from=tmp_path, **ONE_DEVICE)
-    with pytest.raises(ValueError, match=r"epoch=2 and resume_from=.* \(which ends at epoch 1\) were both given"):
+    with _refused(r"epoch=2 and resume_from=.* \(which ends at epoch 1\) were both given"):
         FabricTrainer(model, corpus).train(tmp_path / "run", epoch=2, resume_from="auto", **ONE_DEVICE)
-    with pytest.raises(ValueError, match=r"checkpoint_every_n_epochs=-1 is not valid"):
+    with _refused(r"checkpoint_every_n_epochs=-1 is not valid"):
         FabricTrainer(model, corpus).train(tmp_path / "run", **{**ONE_DEVICE, "checkpoint_every_n_epochs": -1})
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    with pytest.raises(ValueError, match=r"base_path=.*a-file/out' cannot be written .*: pass a folder you can"):
+    with _refused(r"base_path=.*a-file/out' cannot be written .*: pass a folder you can"):
         FabricTrainer(model, corpus).train(blocker / "out", **ONE_DEVICE)
     assert {path: path.read_bytes() for path in (tmp_path / "run").rglob("*") if path.is_file()} == files
     assert not (tmp_path / "new").exists()
