@@ -14,6 +14,20 @@ os.environ.pop("LOCAL_RANK", None)
 from .support import ANNEALED, UNION, run_script, write_config
 
 
+@pytest.fixture(autouse=True)
+def no_relaunch_of_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside pytest, Lightning's script relaunch would start pytest itself again, once per extra rank (and each copy
+    again...): a test that trains on several processes in its own process uses forked or spawned workers; scripts
+    that use the relaunch run in their own interpreter (``run_script``). A test whose refusal did not happen fails
+    here instead of starting copies of the test session."""
+    from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    def refuse(self: object, function: object, *args: object, **kwargs: object) -> None:
+        raise AssertionError("a test tried to relaunch pytest as its other ranks: use strategy='ddp_fork'")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", refuse)
+
+
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One user script, five trainings on 2 ranks started by the script relaunch (one process start-up)."""

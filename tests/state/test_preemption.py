@@ -275,7 +275,7 @@ def test_bad_checkpoint_arguments_are_refused_before_anything_starts(
     corpus = small_trec()
     trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
     with pytest.raises(ValueError, match=message):
-        trainer.train(tmp_path / "run", max_epochs=1, accelerator="cpu", devices=2, **arguments)
+        trainer.train(tmp_path / "run", max_epochs=1, accelerator="cpu", devices=2, strategy="ddp_fork", **arguments)
     assert trainer.fabric is None and not (tmp_path / "run").exists()
 
 

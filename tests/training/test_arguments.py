@@ -157,7 +157,7 @@ def test_empty_and_too_small_train_splits(tmp_path: Path) -> None:
         FabricTrainer(model, empty).train(tmp_path, accelerator="cpu", devices=1)
     one = Corpus(FlairDatapointDataset([corpus.train[0]]), corpus.dev, corpus.test, sample_missing_splits=False)
     with pytest.raises(ValueError, match=r"1 data point\(s\) for 2 processes"):
-        FabricTrainer(model, one).train(tmp_path, accelerator="cpu", devices=2)
+        FabricTrainer(model, one).train(tmp_path, accelerator="cpu", devices=2, strategy="ddp_fork")
 
 
 def _readme_arguments() -> dict[str, tuple[Any, str, str]]:
