@@ -4,6 +4,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,10 +23,14 @@ def no_relaunch_of_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     here instead of starting copies of the test session."""
     from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    def refuse(self: object, function: object, *args: object, **kwargs: object) -> None:
-        raise AssertionError("a test tried to relaunch pytest as its other ranks: use strategy='ddp_fork'")
+    launch = _SubprocessScriptLauncher.launch
 
-    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", refuse)
+    def refuse_copies(self: _SubprocessScriptLauncher, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.num_processes > 1 and not self.cluster_environment.creates_processes_externally:
+            raise AssertionError("a test tried to relaunch pytest as its other ranks: use strategy='ddp_fork'")
+        return launch(self, function, *args, **kwargs)  # one process (DDP at world size 1): nothing is started
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "launch", refuse_copies)
 
 
 @pytest.fixture(scope="session")
