@@ -112,7 +112,8 @@ class FabricTrainer(ModelTrainer):
     @with_flair_signature(ModelTrainer.train_custom)
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
-        flair_arguments = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
+        bound = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
+        flair_arguments, auto_chunks = bound.without_automatic_chunks()
         options.check()
         if flair_arguments.multi_gpu:
             raise ValueError(
@@ -142,6 +143,7 @@ class FabricTrainer(ModelTrainer):
             start_epoch=start_epoch,
             balance_batches=options.balance_batches,
             val_check_interval=options.val_check_interval,
+            chunks_on_out_of_memory=auto_chunks,
         )
         self._check_run(arguments)
         return run_job(TrainingJob(self, arguments), launch)
@@ -158,8 +160,9 @@ class FabricTrainer(ModelTrainer):
         reduces_vocabulary = a.reduce_transformer_vocab or any(
             isinstance(plugin, ReduceTransformerVocabPlugin) for plugin in a.plugins or []
         )
+        chunk_size = "auto" if arguments.chunks_on_out_of_memory else a.mini_batch_chunk_size
         training_strategy(arguments.launch.strategy).check_run(
-            reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=a.mini_batch_chunk_size
+            reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=chunk_size
         )
         if size < arguments.launch.world_size:
             raise ValueError(

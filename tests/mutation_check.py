@@ -125,7 +125,9 @@ def _previous_results() -> dict[str, dict]:
     path = RESULTS / "mutation_check.json"
     if not path.is_file():
         return {}
-    return {row["mutation"]: row for row in json.loads(path.read_text())}
+    results = json.loads(path.read_text())
+    rows = results["rows"] if isinstance(results, dict) else results  # a check in parts also lists the bugs not run
+    return {row["mutation"]: row for row in rows}
 
 
 def check(mutation: Mutation, claim: Claim, hint: str | None) -> dict:

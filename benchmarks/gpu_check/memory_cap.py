@@ -1,4 +1,5 @@
-"""A run whose batches fit in the GPU's memory only in chunks trains through set-up and steps (issue 34).
+"""A run whose batches fit in the GPU's memory only in chunks trains through set-up and steps (issue 34), and with
+``mini_batch_chunk_size="auto"`` a real out-of-memory error is caught and the step redone in chunks (issue 32).
 
 The process's CUDA memory is capped (``torch.cuda.set_per_process_memory_fraction``) halfway between what a run in
 chunks of 4 and the same run in whole batches of 32 reserve; then the run in chunks must train under the cap and the
@@ -19,11 +20,16 @@ from .settings import FAILED, PASSED, Sizes
 from .training import build_classifier, fabric_args, fine_tune, trec
 
 NAME = "chunks_under_memory_cap"
+AUTO_NAME = "auto_chunks_under_memory_cap"
+_FOUND: dict[str, float] = {}
 BATCH, CHUNK = 32, 4
 
 
-def _reserved_peak_of_a_run(ctx: Context, base: Path, chunk_size: int | None) -> float:
-    """Peak bytes the caching allocator reserved for one short fine-tuning run; raises if it runs out of memory."""
+def _reserved_peak_of_a_run(
+    ctx: Context, base: Path, chunk_size: int | str | None, weights: dict[str, Any] | None = None
+) -> float:
+    """Peak bytes the caching allocator reserved for one short fine-tuning run; raises if it runs out of memory.
+    ``weights`` gets the trained weights (on the CPU)."""
     import torch
 
     from flair_fabric import FabricTrainer
@@ -36,6 +42,8 @@ def _reserved_peak_of_a_run(ctx: Context, base: Path, chunk_size: int | None) ->
     torch.cuda.reset_peak_memory_stats()
     try:
         fine_tune(FabricTrainer(model, corpus), base, sizes, [], mini_batch_chunk_size=chunk_size, **fabric_args(ctx))
+        if weights is not None:
+            weights.update({key: value.detach().cpu() for key, value in model.state_dict().items()})
         return float(torch.cuda.max_memory_reserved())
     finally:
         del model
@@ -67,6 +75,7 @@ def check_chunks_under_a_memory_cap(ctx: Context) -> dict:
     measured["whole_batches_run_out_of_memory_under_the_cap"] = bites
     if not bites:
         return result(NAME, FAILED, f"the cap does not bite: whole batches trained under it ({measured})", **measured)
+    _FOUND["cap"] = cap  # for the "auto" check that follows
     return result(
         NAME,
         PASSED,
@@ -75,6 +84,55 @@ def check_chunks_under_a_memory_cap(ctx: Context) -> dict:
     )
 
 
+def check_auto_chunks_under_a_memory_cap(ctx: Context) -> dict:
+    """Under the cap whole batches exceed, ``mini_batch_chunk_size="auto"`` catches the real out-of-memory error,
+    redoes the step in chunks (logged) and ends as the run chunked from the start with the size it settled on."""
+    import logging
+
+    import torch
+
+    cap = _FOUND.get("cap")
+    if cap is None:
+        return result(AUTO_NAME, FAILED, "no memory cap was found (chunks_under_memory_cap did not pass)")
+    retries: list[str] = []
+
+    class Retries(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "the step is redone in chunks of" in record.getMessage():
+                retries.append(record.getMessage())
+
+    handler = Retries()
+    logging.getLogger("flair").addHandler(handler)
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    auto: dict[str, Any] = {}
+    try:
+        measured: dict[str, Any] = {"cap_mib": cap / 2**20}
+        measured["auto_reserved_mib"] = _reserved_peak_of_a_run(ctx, ctx.work / "auto", "auto", auto) / 2**20
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        logging.getLogger("flair").removeHandler(handler)
+    measured["retries"] = retries
+    if not retries:
+        return result(AUTO_NAME, FAILED, f"no step ran out of memory under the cap: {measured}", **measured)
+    settled = int(retries[-1].split("the step is redone in chunks of ")[1].split()[0])
+    reference: dict[str, Any] = {}
+    _reserved_peak_of_a_run(ctx, ctx.work / "settled", settled, reference)
+    difference = max((auto[key].float() - reference[key].float()).abs().max().item() for key in reference)
+    measured.update(settled_chunk_size=settled, max_weight_difference=difference)
+    if difference > 1e-5:
+        failure = f"weights differ from chunks of {settled} from the start: {measured}"
+        return result(AUTO_NAME, FAILED, failure, **measured)
+    return result(
+        AUTO_NAME,
+        PASSED,
+        f"real out-of-memory errors redone in chunks ({len(retries)} retries, settled on {settled}); weights within"
+        f" {difference:.1e} of chunks of {settled} from the start",
+        **measured,
+    )
+
+
 def unit_memory_cap(ctx: Context) -> Iterator[dict]:
-    """Training in chunks under a memory cap that whole batches exceed."""
+    """Training in chunks, and with ``mini_batch_chunk_size="auto"``, under a memory cap that whole batches exceed."""
     yield guarded(NAME, lambda: check_chunks_under_a_memory_cap(ctx))
+    yield guarded(AUTO_NAME, lambda: check_auto_chunks_under_a_memory_cap(ctx))

@@ -172,9 +172,14 @@ UNITS: tuple[Unit, ...] = (
                 "mini_batch_chunk_size under a memory cap that whole batches exceed",
                 "caps the process's CUDA memory (torch.cuda.set_per_process_memory_fraction)",
             ),
+            CheckSpec(
+                "auto_chunks_under_memory_cap",
+                "mini_batch_chunk_size='auto' catches a real out-of-memory error under that cap",
+                "caps the process's CUDA memory (torch.cuda.set_per_process_memory_fraction)",
+            ),
         ),
         unit_memory_cap,
-        budget_s=120,
+        budget_s=180,
         dry_budget_s=10,
     ),
 )

@@ -71,6 +71,9 @@ class RunState:
     """Steps done in the epoch after ``epoch`` (0 at an epoch's end): where a mid-epoch resume continues."""
     epoch_position: int = 0
     """Data points of that epoch's order the ranks have read (to continue on another number of processes)."""
+    chunk_size: int | None = None
+    """With ``mini_batch_chunk_size="auto"``: the chunk size a step of the current epoch needed after running out of
+    memory (``None``: whole mini-batches)."""
     epoch_end: EpochEnd = EpochEnd.NOTHING
     """What the current epoch's end must do (decided at its last step)."""
     preempted_by: str | None = None

@@ -128,7 +128,9 @@ def training_strategy(strategy: str | Strategy) -> TrainingStrategy:
         return Sharded()
     if isinstance(strategy, DeepSpeedStrategy):
         return DeepSpeed(strategy)
-    return DataParallel()
+    return DataParallel(
+        compresses_gradients=isinstance(strategy, FlairDDPStrategy) and strategy.gradient_compression is not None
+    )
 
 
 __all__ = [

@@ -102,14 +102,23 @@ class TrainingStrategy(ABC):
     """Whether the engine clips gradients itself (DeepSpeed, from its config); the loop then does not."""
     shards_training_state = False
     """Whether parameters or optimizer state are split across the ranks (FSDP, DeepSpeed)."""
+    gathers_in_forward = False
+    """Whether forward passes run collectives (FSDP's and DeepSpeed's parameter all-gathers)."""
 
-    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
+    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | str | None) -> None:
         """Refuse, before any process starts, run arguments this strategy cannot train with."""
         if reduces_vocabulary and self.shards_training_state:
             raise ValueError(
                 "reduce_transformer_vocab=True (or a ReduceTransformerVocabPlugin) cannot be combined with a sharded"
                 " strategy ('fsdp', 'deepspeed'): it replaces the embedding under the optimizer. Use strategy='ddp' or"
                 " leave the vocabulary as it is."
+            )
+        if mini_batch_chunk_size == "auto" and self.gathers_in_forward:
+            raise ValueError(
+                "mini_batch_chunk_size='auto' cannot be combined with strategy='fsdp': its forward passes gather"
+                " parameters with collectives, which a rank that runs out of memory half-way"
+                " leaves the others waiting in. Use strategy='ddp' (or one device) with 'auto', or a fixed"
+                " mini_batch_chunk_size."
             )
 
     @abstractmethod

@@ -124,6 +124,18 @@ def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch
 class DataParallel(TrainingStrategy):
     """DDP (or one device): the model is placed, probed for unused parameters, wrapped; then the optimizer."""
 
+    def __init__(self, compresses_gradients: bool = False) -> None:
+        self.compresses_gradients = compresses_gradients
+
+    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | str | None) -> None:
+        super().check_run(reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=mini_batch_chunk_size)
+        if mini_batch_chunk_size == "auto" and self.compresses_gradients:
+            raise ValueError(
+                "mini_batch_chunk_size='auto' averages the gradients itself after every rank's passes fitted, so"
+                " DDP's gradient_compression hook would never run: pass a fixed mini_batch_chunk_size with"
+                " gradient_compression, or leave compression off."
+            )
+
     def set_up(self, run: SetUp) -> Prepared:
         fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         fabric.to_device(model)

@@ -78,7 +78,7 @@ class DeepSpeed(TrainingStrategy):
     def __init__(self, strategy: DeepSpeedStrategy) -> None:
         self.strategy = strategy
 
-    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | None) -> None:
+    def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | str | None) -> None:
         super().check_run(reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=mini_batch_chunk_size)
         if mini_batch_chunk_size is not None:
             raise ValueError(

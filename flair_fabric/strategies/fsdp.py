@@ -264,6 +264,7 @@ class Sharded(TrainingStrategy):
     weights and gets the trained ones at the end (see :class:`ShardedCopy`)."""
 
     shards_training_state = True
+    gathers_in_forward = True
 
     def __init__(self) -> None:
         self.copy: ShardedCopy[flair.nn.Model] | None = None

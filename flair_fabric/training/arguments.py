@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -268,6 +268,21 @@ class FlairArguments:
         """The arguments by name, as the values given (not copies), ``kwargs`` as one entry."""
         return {field.name: getattr(self, field.name) for field in fields(self)}
 
+    def without_automatic_chunks(self) -> tuple[FlairArguments, bool]:
+        """These arguments with ``mini_batch_chunk_size="auto"`` taken out (whole mini-batches until a step runs out
+        of memory), and whether it was given. Any other value but a positive int or ``None`` is refused."""
+        chunk_size: Any = self.mini_batch_chunk_size
+        if chunk_size == "auto":
+            return replace(self, mini_batch_chunk_size=None), True
+        positive = isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size >= 1
+        if chunk_size is not None and not positive:
+            raise ValueError(
+                f"mini_batch_chunk_size={chunk_size!r} is not valid: pass a positive number of data points per"
+                " forward pass, None (whole mini-batches) or 'auto' (whole mini-batches, redone in smaller chunks"
+                " when a step runs out of memory)."
+            )
+        return self, False
+
 
 @dataclass(frozen=True)
 class TrainArguments:
@@ -284,6 +299,9 @@ class TrainArguments:
     """Several processes: deal each step's data points to the ranks by length."""
     val_check_interval: int | float | None = None
     """Evaluate inside epochs too: every n optimizer steps (int) or every fraction of an epoch (float)."""
+    chunks_on_out_of_memory: bool = False
+    """``mini_batch_chunk_size="auto"``: a step that runs out of memory is redone in smaller chunks (flair's
+    ``mini_batch_chunk_size`` is then ``None``: whole mini-batches until a step needs less)."""
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -316,5 +334,7 @@ class TrainArguments:
             "balance_batches": self.balance_batches,
             "val_check_interval": self.val_check_interval,
         }
+        if self.chunks_on_out_of_memory:
+            parameters["mini_batch_chunk_size"] = "auto"
         parameters.update(self.flair.kwargs)
         return parameters

@@ -126,6 +126,7 @@ class Checkpointing:
         progress.epoch, progress.batch_count = saved.epoch, saved.batch_count
         progress.best_epoch_score, progress.seed = saved.best_epoch_score, saved.seed
         progress.step_in_epoch, progress.epoch_position = saved.step_in_epoch, saved.epoch_position
+        progress.chunk_size = saved.chunk_size
         if run.fabric.is_global_zero:
             keep_loss_rows_up_to(run.base_path / "loss.tsv", saved.epoch, saved.batch_count)
         same = saved.world_size == run.fabric.world_size

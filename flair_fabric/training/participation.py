@@ -65,6 +65,28 @@ def find_stand_in_batch(
         model.train(was_training)
 
 
+def stand_in_and_probe(
+    model: flair.nn.Model,
+    train_data: Dataset,
+    mini_batch_size: int,
+    mini_batch_chunk_size: int | None,
+    several: bool,
+    auto_chunks: bool,
+) -> tuple[list | None, list]:
+    """The stand-in batch for :class:`Participation` (on several processes whose passes synchronise, i.e. without
+    ``mini_batch_chunk_size="auto"``) and the batch a strategy probes the model with before wrapping. Neither holds
+    more data points than one chunk of a training step (a run that fits only in chunks fits through its set-up); with
+    ``"auto"`` the probe holds one data point."""
+    size = _len_dataset(train_data)
+    pass_size = 1 if auto_chunks else largest_pass(mini_batch_size, mini_batch_chunk_size)
+    stand_in = (
+        find_stand_in_batch(model, train_data, pass_size, points_to_search=8 * mini_batch_size)
+        if several and not auto_chunks
+        else None
+    )
+    return stand_in, stand_in or [train_data[index] for index in range(min(pass_size, size))]
+
+
 class Participation:
     """Makes a step that learns nothing take part in the collectives like one that does (see the module doc)."""
 

@@ -27,7 +27,7 @@ from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlug
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
 from flair_fabric.state.training_state import resume_folder_of_global_zero
-from flair_fabric.strategies import keeps_whole_model, training_strategy
+from flair_fabric.strategies import every_parameter_learns, keeps_whole_model, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Checkpointing, Preempted
@@ -40,7 +40,8 @@ from flair_fabric.training.evaluating import (
 )
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
-from flair_fabric.training.participation import Participation, find_stand_in_batch, largest_pass
+from flair_fabric.training.out_of_memory import ChunksOnOutOfMemory
+from flair_fabric.training.participation import Participation, stand_in_and_probe
 from flair_fabric.training.progress_bar import EpochProgressBar
 from flair_fabric.training.sampling import (
     EpochBatches,
@@ -132,15 +133,13 @@ class TrainingRun:
         balanced = fabric.world_size > 1 and self.arguments.balance_batches and keeps_whole_model(fabric.strategy)
         self.lengths = data_point_lengths(self.data.train) if balanced else None
 
-        # a step that learns nothing on one rank must still take part in the others' collectives; these set-up
-        # passes hold no more data points than one chunk of a training step (a run that fits only in chunks fits)
-        pass_size = largest_pass(a.mini_batch_size, a.mini_batch_chunk_size)
-        stand_in = (
-            find_stand_in_batch(trainer.model, self.data.train, pass_size, points_to_search=8 * a.mini_batch_size)
-            if fabric.world_size > 1
-            else None
+        # a step that learns nothing must take part in the others' collectives (unless no pass synchronises)
+        auto_chunks, several = self.arguments.chunks_on_out_of_memory, fabric.world_size > 1
+        stand_in, probe = stand_in_and_probe(
+            trainer.model, self.data.train, a.mini_batch_size, a.mini_batch_chunk_size, several, auto_chunks
         )
-        probe = stand_in or [self.data.train[i] for i in range(min(pass_size, self.data.size))]
+        if auto_chunks:  # DDP never synchronises in a pass: no search for parameters without a gradient
+            every_parameter_learns(fabric.strategy)
         prepared = self.strategy.set_up(
             SetUp(
                 fabric,
@@ -152,7 +151,8 @@ class TrainingRun:
             )
         )
         self.module, trainer.optimizer, trainer.model = prepared.module, prepared.optimizer, prepared.model
-        self.participation = Participation(trainer.model, stand_in) if fabric.world_size > 1 else None
+        self.participation = Participation(trainer.model, stand_in) if several and not auto_chunks else None
+        self.chunks_on_out_of_memory = ChunksOnOutOfMemory.if_asked(fabric, self.progress, self.module, self.arguments)
         self.steps_per_epoch = steps_per_epoch(self.data.size, a.mini_batch_size, fabric.world_size)
         self.evaluation_interval = steps_between_evaluations(self.arguments.val_check_interval, self.steps_per_epoch)
         self.progress.seed = shared_seed(fabric) if fabric.world_size > 1 else 0
@@ -290,6 +290,7 @@ class TrainingRun:
         train_loss = self.global_loss(epoch_loss)[0].mean
         trainer._record(MetricRecord.scalar(("train", "loss"), train_loss, self.metric_step(epoch)))
         progress.step_in_epoch = progress.epoch_position = 0
+        progress.chunk_size = None  # a chunk size an out-of-memory step needed holds for the rest of its epoch
         return train_loss, lr_info
 
     def metric_step(self, epoch: int) -> int:

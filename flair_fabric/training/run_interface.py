@@ -15,6 +15,7 @@ from flair_fabric.strategies.base import TrainingStrategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
+from flair_fabric.training.out_of_memory import ChunksOnOutOfMemory
 from flair_fabric.training.participation import Participation
 from flair_fabric.training.setup import TrainingData
 
@@ -35,6 +36,7 @@ class Run(Protocol):
     data: TrainingData
     base_path: Path
     participation: Participation | None
+    chunks_on_out_of_memory: ChunksOnOutOfMemory | None
     dynamic_embeddings: list[str] | None
 
     def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from flair.training_utils import identify_dynamic_embeddings, store_embeddings
 
+from flair_fabric.distributed.gradients import average_gradients
 from flair_fabric.strategies.sharded_state import whole_tensor
 from flair_fabric.training.loss import LossTracker
 from flair_fabric.training.participation import chunks_for_every_rank
@@ -20,7 +21,10 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     """Forward, backward (chunked, gradient sync on the last chunk only), clip and step for one mini-batch.
 
     Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
-    nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`)."""
+    nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`). With
+    ``mini_batch_chunk_size="auto"`` the passes run without gradient sync, a step that ran out of memory is redone
+    in smaller chunks on every rank, and the gradients are averaged afterwards
+    (:mod:`flair_fabric.training.out_of_memory`)."""
     fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
     optimizer = trainer.optimizer
     assert optimizer is not None
@@ -28,22 +32,25 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     optimizer.zero_grad()
     trainer.dispatch("before_training_batch", **batch_kw)
 
-    batch_loss = LossTracker(fabric.device)
-    chunks = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
-    for chunk_no, chunk in enumerate(chunks):
-        with fabric.no_backward_sync(module, enabled=chunk_no < len(chunks) - 1):
-            with fabric.autocast():
-                if run.participation is None:
-                    loss, data_points = module.forward_loss(chunk)
-                else:
-                    loss, data_points = run.participation.loss(module.forward_loss, chunk)
-            batch_loss.add(loss, data_points)
-            # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
-            # world size gives the gradient of the sum over all ranks' batches.
-            trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
-        if run.dynamic_embeddings is None and chunk:
-            run.dynamic_embeddings = identify_dynamic_embeddings(batch)
-        store_embeddings(chunk, a.embeddings_storage_mode, run.dynamic_embeddings)
+    retries = run.chunks_on_out_of_memory
+    if retries is None:
+        batch_loss = LossTracker(fabric.device)
+        chunks = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
+        for chunk_no, chunk in enumerate(chunks):
+            with fabric.no_backward_sync(module, enabled=chunk_no < len(chunks) - 1):
+                _forward_backward(run, chunk, batch, batch_loss)
+    else:
+        attempt = [LossTracker(fabric.device)]
+
+        def one_pass(chunk: list, first: bool) -> None:
+            if first:  # a new attempt: the losses of a failed one are dropped
+                attempt[0] = LossTracker(fabric.device)
+            with fabric.no_backward_sync(module, enabled=fabric.world_size > 1):  # averaged after the agreement
+                _forward_backward(run, chunk, batch, attempt[0])
+
+        retries.step(batch, one_pass, where=f"epoch {run.position.epoch}, step {run.position.step}")
+        batch_loss = attempt[0]
+        average_gradients(retries.parameters, retries.learned_anywhere, fabric.world_size)
 
     trainer.dispatch("before_training_optimizer_step", **batch_kw)
     gradient_norm = None
@@ -56,3 +63,20 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     scale_after = scaler.get_scale() if scaler is not None else 1.0
     batch_kw["optimizer_was_run"] = scale_before <= scale_after
     return batch_loss, gradient_norm
+
+
+def _forward_backward(run: Run, chunk: list, batch: list, batch_loss: LossTracker) -> None:
+    """Forward and backward of one chunk of ``batch``; its loss is added to ``batch_loss``."""
+    fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
+    with fabric.autocast():
+        if run.participation is None:
+            loss, data_points = module.forward_loss(chunk)
+        else:
+            loss, data_points = run.participation.loss(module.forward_loss, chunk)
+    batch_loss.add(loss, data_points)
+    # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
+    # world size gives the gradient of the sum over all ranks' batches.
+    trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
+    if run.dynamic_embeddings is None and chunk:
+        run.dynamic_embeddings = identify_dynamic_embeddings(batch)
+    store_embeddings(chunk, a.embeddings_storage_mode, run.dynamic_embeddings)

@@ -168,6 +168,7 @@ def test_a_preemption_signal_writes_one_checkpoint_requeues_and_the_requeued_job
 
     preempted = job("preempted", preempt_at=9)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
+    assert (tmp_path / "scontrol-called").exists(), "scontrol requeue was not called (is the job id read?)"
     assert (tmp_path / "scontrol-called").read_text().split() == ["requeue", "4242"]
     checkpoints = complete_checkpoints(tmp_path / "run")
     assert len(checkpoints) == 1 and read_progress(checkpoints[0]).step_in_epoch > 0
@@ -192,7 +193,10 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_and_give_up_after_t
         out.mkdir()
         path = write_config(out / "config.json", {"out": str(out), "kwargs": options, **config})
         command = [torchrun, "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(SCRIPTS / "preemptible.py")]
-        return subprocess.run([*command, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        try:  # a run takes about 10 s; a restarted attempt that cannot meet its peers waits until killed
+            return subprocess.run([*command, str(path)], env=env, capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as stuck:
+            pytest.fail(f"the torchrun job {name} did not end within 120 s (a restart that never met): {stuck}")
 
     once = job("fails-once", fail_once_at=9)
     assert once.returncode == 0, once.stderr[-3000:]

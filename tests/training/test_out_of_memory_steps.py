@@ -1,0 +1,302 @@
+"""``mini_batch_chunk_size="auto"``: a training step that runs out of device memory is redone in smaller chunks, on
+every rank together, and the run ends as the same run chunked from the start ends.
+
+CPU tests cannot run out of device memory, so a model raises ``torch.OutOfMemoryError`` as CUDA does when one pass
+holds more than ``most`` data points: in its forward pass, or in its backward pass (a gradient hook on the first
+embedding parameter, which runs after the classifier's gradients were computed). Every raise is appended to a file,
+so that forked ranks report them too."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+import torch
+import torch.distributed
+from flair.models import TextClassifier
+from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
+
+from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
+
+from ..support import small_trec, state_dict_difference, tiny_text_classifier
+
+OPTIONS: dict[str, Any] = {
+    "max_epochs": 2,
+    "learning_rate": 0.1,
+    "shuffle": True,
+    "embeddings_storage_mode": "none",
+    "use_final_model_for_eval": False,  # best-model.pt is written too
+}
+
+
+class _FitsFewPoints(TextClassifier):
+    """Runs out of memory, as a GPU would, on a training pass of more than ``most`` data points on ``ranks``."""
+
+    most = 2
+    ranks: tuple[int, ...] = (0,)
+    in_backward = False
+    raises: Path | None = None  # one line per raise
+    _too_many = False
+
+    def forward_loss(self, data_points: list) -> tuple[torch.Tensor, int]:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self._too_many = len(data_points) > self.most and rank in self.ranks
+        if self._too_many and not self.in_backward:
+            self._raise(len(data_points), rank)
+        return super().forward_loss(data_points)
+
+    def _raise(self, size: int, rank: int) -> None:
+        if self.raises is not None:
+            with self.raises.open("a") as file:
+                file.write(f"{rank} {size}\n")
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {size} > {self.most} data points)")
+
+    def _in_backward(self, gradient: torch.Tensor) -> torch.Tensor:
+        if self._too_many and self.in_backward:
+            self._too_many = False
+            self._raise(-1, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        return gradient
+
+
+def _limited(model: TextClassifier, folder: Path, most: int, ranks: tuple[int, ...], in_backward: bool) -> Path:
+    """Make ``model`` run out of memory above ``most`` data points per pass; the file its raises are written to."""
+    model.__class__ = _FitsFewPoints
+    raises = folder / "out-of-memory-raises.txt"
+    folder.mkdir(parents=True, exist_ok=True)
+    _FitsFewPoints.most, _FitsFewPoints.ranks, _FitsFewPoints.in_backward = most, ranks, in_backward
+    _FitsFewPoints.raises = raises
+    first_embedding_parameter = next(model.embeddings.parameters())
+    first_embedding_parameter.register_hook(model._in_backward)  # type: ignore[attr-defined]
+    return raises
+
+
+@contextlib.contextmanager
+def _retried_together() -> Iterator[None]:
+    """An injected out-of-memory error that reaches the caller (the step was not redone) or ranks that waited for each
+    other until the collective timeout fail the test."""
+    try:
+        yield
+    except Exception as error:
+        text = str(error)
+        if "out of memory (injected" in text and "one data point alone" not in text:
+            pytest.fail(f"a step that ran out of memory was not redone in chunks: {error}")
+        if re.search(r"longer than collective_timeout|[Tt]imed out", text):
+            pytest.fail(f"the ranks did not agree and one waited for the others: {error}")
+        raise
+
+
+def _rows(folder: Path) -> list[dict[str, str]]:
+    """loss.tsv as dicts by column title, without the timestamps."""
+    lines = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
+    return [{t: v for t, v in zip(lines[0], row, strict=True) if t != "TIMESTAMP"} for row in lines[1:]]
+
+
+def _retry_lines(folder: Path) -> list[str]:
+    return re.findall(r"out of memory on rank\(s\) \[[0-9, ]+\]; the step is redone in chunks of \d+", _log(folder))
+
+
+def _log(folder: Path) -> str:
+    return (folder / "training.log").read_text()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_one_process_retried_steps_end_bit_equal_to_flairs_run_chunked_from_the_start(
+    tmp_path: Path, in_backward: bool
+) -> None:
+    """Batches of 8, at most 2 data points per pass: the first step of each epoch runs out of memory at 8 and at 4
+    points and is redone in chunks of 2, which hold for the rest of the epoch. flair's own trainer with
+    ``mini_batch_chunk_size=2`` from the start is the reference: weights, loss.tsv and model files bit-equal."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, dropout=0.3)  # dropout: a retry must draw the masks the first try drew
+    reference = copy.deepcopy(model)
+    raises = _limited(model, tmp_path / "auto", most=2, ranks=(0,), in_backward=in_backward)
+    flair.set_seed(1)  # each run starts from the same generators (flair's loader draws the order from them)
+    with _retried_together():
+        FabricTrainer(model, corpus).train(
+            tmp_path / "auto", mini_batch_size=8, mini_batch_chunk_size="auto", accelerator="cpu", devices=1, **OPTIONS
+        )
+    flair.set_seed(1)
+    ModelTrainer(reference, corpus).train(tmp_path / "flair", mini_batch_size=8, mini_batch_chunk_size=2, **OPTIONS)
+
+    assert all(torch.equal(value, reference.state_dict()[key]) for key, value in model.state_dict().items())
+    assert _rows(tmp_path / "auto") == _rows(tmp_path / "flair")
+    for name in ("best-model.pt", "final-model.pt"):
+        ours, flairs = TextClassifier.load(tmp_path / "auto" / name), TextClassifier.load(tmp_path / "flair" / name)
+        assert all(torch.equal(value, flairs.state_dict()[key]) for key, value in ours.state_dict().items()), name
+    # remembered for the rest of the epoch: two failed tries in each epoch's first step, none after
+    assert len(raises.read_text().splitlines()) == 2 * OPTIONS["max_epochs"]
+    assert (
+        _retry_lines(tmp_path / "auto")
+        == [
+            "out of memory on rank(s) [0]; the step is redone in chunks of 4",
+            "out of memory on rank(s) [0]; the step is redone in chunks of 2",
+        ]
+        * OPTIONS["max_epochs"]
+    )
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
+def test_a_data_point_that_does_not_fit_alone_ends_the_run_on_every_rank_with_its_name(
+    tmp_path: Path, devices: int
+) -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    failing = devices - 1
+    _limited(model, tmp_path, most=0, ranks=(failing,), in_backward=False)
+    expected = rf"epoch 1, step 1: one data point alone runs out of memory on rank\(s\) \[{failing}\]"
+    if devices == 1:
+        expected += r" \('.+'\)"  # the data point
+    # (a forked rank's error reaches the caller inside torch's ProcessRaisedException)
+    with _retried_together(), pytest.raises(RuntimeError if devices == 1 else Exception, match=expected):
+        FabricTrainer(model, corpus).train(
+            tmp_path,
+            mini_batch_size=4,
+            mini_batch_chunk_size="auto",
+            accelerator="cpu",
+            devices=devices,
+            strategy="ddp_fork" if devices > 1 else "auto",
+            collective_timeout=20,
+            **OPTIONS,
+        )
+
+
+# --- several processes ----------------------------------------------------------------------------------------------
+
+# 2 x 4 = one process's 8, in order (every rank's batch of a step is part of one process's batch)
+UNION: dict[str, Any] = {**OPTIONS, "shuffle": False}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("ranks", "in_backward", "balance_batches"),
+    [((1,), False, True), ((1,), True, False), ((0, 1), True, True)],
+    ids=["rank-1-forward", "rank-1-backward-strided", "both-backward"],
+)
+def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
+    tmp_path: Path, ranks: tuple[int, ...], in_backward: bool, balance_batches: bool
+) -> None:
+    """A pass of more than one data point runs out of memory on the given ranks: every rank redoes the step in
+    chunks of 2, then of 1 (no rank waits in a collective, no rank steps alone or with a partial gradient), and the
+    run ends with the weights and loss.tsv of flair's own trainer on one process and the union of the batches."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, dropout=0.0)
+    reference = copy.deepcopy(model)
+    raises = _limited(model, tmp_path / "two", most=1, ranks=ranks, in_backward=in_backward)
+    flair.set_seed(1)
+    with _retried_together():
+        FabricTrainer(model, corpus).train(
+            tmp_path / "two",
+            mini_batch_size=4,
+            mini_batch_chunk_size="auto",
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+            balance_batches=balance_batches,
+            collective_timeout=20,
+            **UNION,
+        )
+    flair.set_seed(1)
+    ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **UNION)
+
+    assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-5
+    for ours, union in zip(_rows(tmp_path / "two"), _rows(tmp_path / "one"), strict=True):
+        assert ours.keys() == union.keys()
+        for title in ours:
+            assert float(ours[title]) == pytest.approx(float(union[title]), abs=2e-4), title
+    failed = sorted({int(line.split()[0]) for line in raises.read_text().splitlines()})
+    assert failed == list(ranks)
+    expected = f"out of memory on rank(s) {list(ranks)}; the step is redone in chunks of"
+    assert _retry_lines(tmp_path / "two") == [f"{expected} 2", f"{expected} 1"] * OPTIONS["max_epochs"]
+
+
+class _KillAt(TrainerPlugin):
+    """Every rank dies at one step (SIGKILL, no chance to save) after its after_training_batch."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__()
+        self.step = step
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        if batch_count == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[TextClassifier, Path]:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, dropout=0.3)
+    raises = _limited(model, folder, most=1, ranks=(1,), in_backward=False)
+    with _retried_together():
+        FabricTrainer(model, corpus).train(
+            folder,
+            mini_batch_size=4,
+            mini_batch_chunk_size="auto",
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+            plugins=[_KillAt(kill_at)],
+            collective_timeout=20,
+            **{**OPTIONS, "max_epochs": 1},
+            **options,
+        )
+    return model, raises
+
+
+@pytest.mark.multiprocess
+def test_a_run_killed_after_a_retried_step_resumes_with_its_chunk_size_to_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    """Killed at step 4 with a checkpoint every 2 steps: the step-2 checkpoint holds the chunk size the first step
+    needed, so the resumed run goes on in chunks of 1 without running out of memory again."""
+    reference, _ = _run(tmp_path / "uninterrupted")
+    folder = tmp_path / "killed"
+    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+        _run(folder, kill_at=4, checkpoint_every_n_steps=2)
+    raises = folder / "out-of-memory-raises.txt"
+    assert len(raises.read_text().splitlines()) == 2  # step 1: at 4 and at 2 data points
+    resumed, _ = _run(folder, resume_from="auto", checkpoint_every_n_steps=2)
+    assert len(raises.read_text().splitlines()) == 2  # none after the resume
+    assert state_dict_difference(resumed.state_dict(), reference.state_dict()) <= 1e-6
+    assert _rows(folder) == _rows(tmp_path / "uninterrupted")
+
+
+# --- refused before launch ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"mini_batch_chunk_size": "half"}, r"mini_batch_chunk_size='half' is not valid: .*'auto'"),
+        ({"mini_batch_chunk_size": 0}, r"mini_batch_chunk_size=0 is not valid: pass a positive number"),
+        (
+            {"mini_batch_chunk_size": "auto", "strategy": FlairFSDPStrategy(start_method="fork")},
+            r"mini_batch_chunk_size='auto' cannot be combined with strategy='fsdp'.*fixed mini_batch_chunk_size",
+        ),
+        (
+            {
+                "mini_batch_chunk_size": "auto",
+                "strategy": FlairDDPStrategy(start_method="fork", gradient_compression="fp16"),
+            },
+            r"mini_batch_chunk_size='auto' averages the gradients itself.*gradient_compression",
+        ),
+    ],
+    ids=["a-word", "zero", "fsdp", "compression"],
+)
+def test_what_cannot_chunk_on_out_of_memory_is_refused_before_launch(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    corpus = small_trec()
+    with pytest.raises(ValueError, match=message):
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+            tmp_path, accelerator="cpu", devices=2, max_epochs=1, **options
+        )
+    assert not (tmp_path / "loss.tsv").exists()
