@@ -133,12 +133,12 @@ class KillJobAt(TrainerPlugin):
 
 class FailAt(TrainerPlugin):
     """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``), stall
-    for ten minutes without closing anything (``how="stall"``) or stop (``how="stop"``, SIGSTOP: its sockets stay
-    open, so its peers' backend would wait for it)."""
+    for ``stall_seconds`` (ten minutes) without closing anything (``how="stall"``) or stop (``how="stop"``, SIGSTOP:
+    its sockets stay open, so its peers' backend would wait for it)."""
 
-    def __init__(self, epoch: int, rank: int, how: str) -> None:
+    def __init__(self, epoch: int, rank: int, how: str, stall_seconds: float = 600) -> None:
         super().__init__()
-        self.epoch, self.rank, self.how = epoch, rank, how
+        self.epoch, self.rank, self.how, self.stall_seconds = epoch, rank, how, stall_seconds
 
     @TrainerPlugin.hook
     def before_training_epoch(self, epoch: int, **kw: Any) -> None:
@@ -147,7 +147,7 @@ class FailAt(TrainerPlugin):
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == "stall":
-            time.sleep(600)
+            time.sleep(self.stall_seconds)
         if self.how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")
