@@ -131,6 +131,19 @@ class KillJobAt(TrainerPlugin):
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+class KillAtStep(TrainerPlugin):
+    """Every rank dies at optimizer step ``step`` (SIGKILL, no chance to save), after its after_training_batch."""
+
+    def __init__(self, step: int | None) -> None:
+        super().__init__()
+        self.step = step
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        if batch_count == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class FailAt(TrainerPlugin):
     """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``), stall
     for ``stall_seconds`` (ten minutes) without closing anything (``how="stall"``) or stop (``how="stop"``, SIGSTOP:

@@ -22,6 +22,7 @@ from lightning.fabric.loggers import Logger
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy, LightningLoggerPlugin
 
+from ..plugin_support import KillAtStep
 from ..support import small_trec, state_dict_difference, tiny_text_classifier
 
 # 48 questions in batches of 8: 6 steps per epoch; with val_check_interval=2 evaluations after steps 2 and 4 of every
@@ -254,22 +255,6 @@ def test_two_ranks_evaluate_at_the_same_steps_as_one_process_on_the_union(tmp_pa
     assert state_dict_difference(one.state_dict(), two.state_dict()) < 1e-5
 
 
-class _KillAt(TrainerPlugin):
-    """Every rank dies at one step (SIGKILL, no chance to save) after its after_training_batch."""
-
-    def __init__(self, step: int | None) -> None:
-        super().__init__()
-        self.step = step
-
-    @TrainerPlugin.hook
-    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
-        if batch_count == self.step:
-            import os
-            import signal
-
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _resumable_run(folder: Path, strategy: str, kill_at: int | None = None, **options: Any) -> TextClassifier:
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)
@@ -280,7 +265,7 @@ def _resumable_run(folder: Path, strategy: str, kill_at: int | None = None, **op
         accelerator="cpu",
         devices=2,
         strategy=chosen,
-        plugins=[_KillAt(kill_at)],
+        plugins=[KillAtStep(kill_at)],
         mini_batch_chunk_size=2,  # a step in chunks is one step
         **{**ONE_PROCESS, "mini_batch_size": 4},
         **options,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,10 @@ import torch
 import torch.distributed
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
-from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 
+from ..plugin_support import KillAtStep
 from ..support import small_trec, state_dict_difference, tiny_text_classifier
 
 OPTIONS: dict[str, Any] = {
@@ -218,19 +216,6 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
     assert _retry_lines(tmp_path / "two") == [f"{expected} 2", f"{expected} 1"] * OPTIONS["max_epochs"]
 
 
-class _KillAt(TrainerPlugin):
-    """Every rank dies at one step (SIGKILL, no chance to save) after its after_training_batch."""
-
-    def __init__(self, step: int | None) -> None:
-        super().__init__()
-        self.step = step
-
-    @TrainerPlugin.hook
-    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
-        if batch_count == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[TextClassifier, Path]:
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)
@@ -243,7 +228,7 @@ def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[Text
             accelerator="cpu",
             devices=2,
             strategy="ddp_fork",
-            plugins=[_KillAt(kill_at)],
+            plugins=[KillAtStep(kill_at)],
             collective_timeout=20,
             **{**OPTIONS, "max_epochs": 1},
             **options,
