@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,13 @@ def main() -> None:
         if fail_first_step:
             train_on, failed = type(model).forward_loss, []
 
-            def forward_loss(points: list) -> Any:
+            def forward_loss(self: Any, points: list) -> Any:
                 if torch.distributed.get_rank() == 1 and not failed and len(points) > BATCH // 2:
                     failed.append(len(points))
                     raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-                return train_on(model, points)
+                return train_on(self, points)
 
-            model.forward_loss = forward_loss  # type: ignore[method-assign]
+            model.forward_loss = types.MethodType(forward_loss, model)  # type: ignore[method-assign]
         FabricTrainer(model, corpus).fine_tune(
             folder,
             max_epochs=1,

@@ -114,6 +114,14 @@ def every_parameter_learns(strategy: str | Strategy) -> None:
         strategy.find_unused_parameters = False
 
 
+def no_pass_synchronises(strategy: str | Strategy) -> None:
+    """Tell DDP that no forward or backward pass synchronises (``mini_batch_chunk_size="auto"``: the gradients are
+    averaged after the passes): no search for unused parameters, no buffer broadcast in a forward pass."""
+    if isinstance(strategy, FlairDDPStrategy):
+        every_parameter_learns(strategy)
+        strategy.passes_synchronise = False
+
+
 def check_strategy(strategy: str | Strategy, accelerator: str, precision: str) -> None:
     """The checks each strategy makes of the launch arguments it is given (before any process starts)."""
     if isinstance(strategy, FlairFSDPStrategy):
@@ -129,7 +137,7 @@ def training_strategy(strategy: str | Strategy) -> TrainingStrategy:
     if isinstance(strategy, DeepSpeedStrategy):
         return DeepSpeed(strategy)
     return DataParallel(
-        compresses_gradients=isinstance(strategy, FlairDDPStrategy) and strategy.gradient_compression is not None
+        compresses_gradients=isinstance(strategy, FlairDDPStrategy) and strategy.gradient_compression is not None,
     )
 
 

@@ -80,6 +80,9 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
         kwargs.setdefault("gradient_as_bucket_view", True)  # gradients live in DDP's buckets: no copy per step
         super().__init__(start_method=start_method, **kwargs)
         self.find_unused_parameters: FindUnused = find_unused_parameters
+        self.passes_synchronise = True
+        """``False`` with ``mini_batch_chunk_size="auto"``: no forward or backward pass may run a collective (no
+        buffer broadcast either), because a pass that runs out of memory on one rank must leave none half done."""
         self.gradient_compression = gradient_compression
         self.start_method: StartMethod = start_method
 
@@ -97,6 +100,8 @@ class FlairDDPStrategy(StartsProcesses, DDPStrategy):
                 " 'bf16' or 'fp16', or let every trainable parameter get a gradient (freeze the others)."
             )
         self._ddp_kwargs = {**self._ddp_kwargs, "find_unused_parameters": self.find_unused_parameters}
+        if not self.passes_synchronise:  # DDP broadcasts buffers in a forward pass that follows a synchronised one
+            self._ddp_kwargs["broadcast_buffers"] = False
         wrapped = super().setup_module(module)
         register_compression(wrapped, self.gradient_compression, self.powersgd_options)
         return wrapped

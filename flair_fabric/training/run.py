@@ -27,7 +27,7 @@ from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlug
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
 from flair_fabric.state.training_state import resume_folder_of_global_zero
-from flair_fabric.strategies import every_parameter_learns, keeps_whole_model, training_strategy
+from flair_fabric.strategies import keeps_whole_model, no_pass_synchronises, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Checkpointing, Preempted
@@ -138,8 +138,8 @@ class TrainingRun:
         stand_in, probe = stand_in_and_probe(
             trainer.model, self.data.train, a.mini_batch_size, a.mini_batch_chunk_size, several, auto_chunks
         )
-        if auto_chunks:  # DDP never synchronises in a pass: no search for parameters without a gradient
-            every_parameter_learns(fabric.strategy)
+        if auto_chunks:  # no DDP pass synchronises: no search for parameters without a gradient, no buffer broadcast
+            no_pass_synchronises(fabric.strategy)
         prepared = self.strategy.set_up(
             SetUp(
                 fabric,

@@ -25,7 +25,13 @@ from flair.trainers import ModelTrainer
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 
 from ..plugin_support import KillAtStep
-from ..support import small_trec, state_dict_difference, tiny_text_classifier
+from ..support import (
+    make_tiny_bert,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    tiny_transformer_classifier,
+)
 
 OPTIONS: dict[str, Any] = {
     "max_epochs": 2,
@@ -234,6 +240,35 @@ def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[Text
             **options,
         )
     return model, raises
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp_path: Path) -> None:
+    """A transformer has buffers, which DDP broadcasts at the start of a forward pass that follows a synchronised one;
+    rank 1 runs out of memory after that start, rank 0 does not: the retry must not leave one rank in a broadcast.
+    The run ends with flair's weights on one process and the union of the batches."""
+    corpus = small_trec(train_size=16)
+    bert = make_tiny_bert(tmp_path / "bert", corpus)
+    model, reference = tiny_transformer_classifier(corpus, bert), tiny_transformer_classifier(corpus, bert)
+    assert list(model.buffers()), "the test needs a model with buffers"
+    _limited(model, tmp_path / "two", most=2, ranks=(1,), in_backward=False)
+    options = {**UNION, "max_epochs": 1, "learning_rate": 1e-3}
+    flair.set_seed(1)
+    with _retried_together():
+        FabricTrainer(model, corpus).train(
+            tmp_path / "two",
+            mini_batch_size=4,
+            mini_batch_chunk_size="auto",
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+            collective_timeout=20,
+            **options,
+        )
+    flair.set_seed(1)
+    ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **options)
+    assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-5
+    assert _retry_lines(tmp_path / "two") == ["out of memory on rank(s) [1]; the step is redone in chunks of 2"]
 
 
 @pytest.mark.multiprocess
