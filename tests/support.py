@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import flair
+import pytest
 import torch
 from flair.data import Corpus
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings, TransformerDocumentEmbeddings
@@ -205,7 +206,7 @@ def state_dict_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 def run_script(
     script: str,
     *args: str,
-    timeout: int = 420,
+    timeout: int = 240,
     launcher: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> str:
@@ -214,7 +215,10 @@ def run_script(
     env.update(extra_env or {})
     env.pop("LOCAL_RANK", None)
     command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    try:
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired as stuck:  # a hang fails the test (rather than the test timeout ending it)
+        pytest.fail(f"{script} did not end within {timeout} s: {str(stuck.stdout)[-3000:]} {str(stuck.stderr)[-3000:]}")
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, f"{script} failed with {completed.returncode}:\n{output[-6000:]}"
     return output

@@ -1,62 +1,101 @@
-"""DDP's gradient average, taken after the backward passes instead of during the last one.
+"""DDP's gradient average for steps that may be thrown away and redone (``mini_batch_chunk_size="auto"``).
 
-With ``mini_batch_chunk_size="auto"`` every backward pass of a step runs without gradient synchronisation, so that a
-rank that runs out of memory in a forward or backward pass leaves no collective half done
-(:mod:`flair_fabric.training.out_of_memory`). Once the ranks agreed that every pass fitted,
-:func:`average_gradients` does what DDP's reducer does at the end of a synchronised backward pass: each gradient is
-divided by the number of processes and summed over them, in buckets of about 25 MB (DDP's default bucket size), and
-a parameter that got no gradient on any rank keeps none (DDP's ``find_unused_parameters``), while one that got a
-gradient on some rank gets the average on every rank.
+Every pass of such a step runs under DDP's ``no_sync`` (:mod:`flair_fabric.training.out_of_memory`), and
+:class:`OverlappedAverage` averages the gradients instead, as DDP's reducer does: each gradient is divided by the
+number of processes and summed over them, and it is sent while the last backward pass still runs (as soon as that
+pass has computed it), so the communication overlaps the computation.
+
+What DDP cannot do, and this can: leave nothing in flight when a rank's attempt fails part-way. Every rank sends the
+parameters in one order they all follow (a parameter is sent once all before it in the order were sent). A rank whose
+attempt failed, or whose last pass did not reach some parameters, sends the ones it has not sent yet afterwards
+(what it has, or zeros). So when the ranks agree on the attempt, every rank has run the same collectives, and an
+attempt that is thrown away costs its communication, never a wait.
+
+The order is first the reverse of the parameters' order; from the first step on it is global rank 0's order of
+readiness in that step (DDP rebuilds its buckets in the same way), so that a parameter no pass reaches (BERT's
+pooler) does not hold the others back. A parameter that got no gradient on any rank keeps none, as with DDP.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed
 
-BUCKET_BYTES = 25 * 2**20
 
+class OverlappedAverage:
+    """Averages the gradients of ``parameters`` over the ranks during the last backward pass of each attempt."""
 
-def _buckets(parameters: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
-    """The parameters in consecutive groups of one dtype and device, each of at most ``BUCKET_BYTES`` (or one
-    parameter)."""
-    buckets: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for parameter in parameters:
-        bytes_ = parameter.numel() * parameter.element_size()
-        last = buckets[-1] if buckets else None
-        if (
-            last is None
-            or size + bytes_ > BUCKET_BYTES
-            or (last[0].dtype, last[0].device)
-            != (
-                parameter.dtype,
-                parameter.device,
-            )
-        ):
-            buckets.append([parameter])
-            size = bytes_
-        else:
-            last.append(parameter)
-            size += bytes_
-    return buckets
+    def __init__(self, parameters: list[torch.nn.Parameter], world_size: int) -> None:
+        self.parameters, self.world_size = parameters, world_size
+        self.order = list(reversed(range(len(parameters))))
+        self.order_adopted = False
+        self._start(armed=False)
+        self._hooks = [
+            parameter.register_post_accumulate_grad_hook(partial(self._computed, index))
+            for index, parameter in enumerate(parameters)
+        ]
 
+    def _start(self, armed: bool) -> None:
+        count = len(self.parameters)
+        self.armed, self.ready, self.sent_up_to = armed, [False] * count, 0
+        self.readiness: list[int] = []  # this attempt's order of readiness in its last pass
+        self.works: list[torch.distributed.Work] = []
 
-def average_gradients(parameters: list[torch.nn.Parameter], learned_anywhere: list[bool], world_size: int) -> None:
-    """Every rank: replace each parameter's gradient with its average over the ranks. ``learned_anywhere`` says, per
-    parameter, whether any rank has a gradient for it (agreed on the host beforehand, so nothing is read back from the
-    device here); the others keep none. One all-reduce per bucket on the default process group; none in one
-    process."""
-    if world_size == 1:
-        return
-    averaged = [parameter for parameter, learned in zip(parameters, learned_anywhere, strict=True) if learned]
-    for bucket in _buckets(averaged):
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket]).div_(
-            world_size
-        )
-        torch.distributed.all_reduce(flat)
-        for parameter, part in zip(bucket, flat.split([p.numel() for p in bucket]), strict=True):
-            if parameter.grad is None:
-                parameter.grad = part.view_as(parameter).clone()
-            else:
-                parameter.grad.copy_(part.view_as(parameter))
+    def start_attempt(self) -> None:
+        """A new attempt: nothing sent yet."""
+        self._start(armed=False)
+
+    def last_pass(self) -> None:
+        """The attempt's next pass is its last: send each gradient as soon as that pass computed it."""
+        self.armed = True
+
+    def _computed(self, index: int, parameter: torch.nn.Parameter) -> None:
+        if not self.armed:
+            return
+        self.ready[index] = True
+        self.readiness.append(index)
+        while self.sent_up_to < len(self.order) and self.ready[self.order[self.sent_up_to]]:
+            self._send(self.order[self.sent_up_to])
+
+    def _send(self, index: int) -> None:
+        parameter = self.parameters[index]
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        parameter.grad.div_(self.world_size)
+        self.works.append(torch.distributed.all_reduce(parameter.grad, async_op=True))
+        self.sent_up_to += 1
+
+    def finish(self) -> list[bool]:
+        """After the attempt's passes (whether they fitted or not): send what was not sent, wait for every
+        all-reduce; returns, per parameter, whether this rank had a gradient for it."""
+        self.armed = False
+        learned = [parameter.grad is not None for parameter in self.parameters]
+        while self.sent_up_to < len(self.order):
+            self._send(self.order[self.sent_up_to])
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return learned
+
+    def readiness_positions(self) -> list[float]:
+        """Per parameter, its place (from 1) in this rank's order of readiness in the last attempt; 0 if it was not
+        reached. Global rank 0's become everyone's order (:meth:`adopt_order`)."""
+        positions = [0.0] * len(self.parameters)
+        for place, index in enumerate(self.readiness, start=1):
+            positions[index] = float(place)
+        return positions
+
+    def adopt_order(self, positions: list[float]) -> None:
+        """Send in the order ``positions`` gives (global rank 0's readiness), the parameters it did not reach last."""
+        reached = sorted((place, index) for index, place in enumerate(positions) if place > 0)
+        first = [index for _, index in reached]
+        self.order = first + [index for index in reversed(range(len(self.parameters))) if positions[index] == 0]
+        self.order_adopted = True
+
+    def keep_learned(self, learned_anywhere: list[bool]) -> None:
+        """A parameter that no rank has a gradient for keeps none (it was sent as zeros)."""
+        for parameter, learned in zip(self.parameters, learned_anywhere, strict=True):
+            if not learned:
+                parameter.grad = None

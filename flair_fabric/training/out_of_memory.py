@@ -9,13 +9,14 @@ the embeddings stored on the batch, the cached allocator blocks), puts its rando
 step began, and redoes the step in chunks of half the size, down to one data point (then the run stops with an error
 that names the data point).
 
-Several processes: no collective may be in flight when a pass fails, or the other ranks would wait in it for ever
-(a DDP bucket all-reduce that a rank failing in its backward pass never joins). So every pass of the step runs
-without gradient synchronisation, the ranks agree on the host (one all-reduce of a few numbers on a gloo group of
-their own: no device synchronisation), and only then are the gradients averaged
-(:func:`~flair_fabric.distributed.gradients.average_gradients`) and the optimizer steps. A rank never steps with
-another rank's partial gradient, and no rank retries alone. Strategies that gather parameters inside the forward pass
-(FSDP, DeepSpeed) cannot pass without collectives, and are refused before launch.
+Several processes: no collective may be left unmatched when a pass fails, or the other ranks would wait in it for
+ever (a DDP bucket all-reduce that a rank failing in its backward pass never joins). So no pass runs DDP's own
+collectives; :class:`~flair_fabric.distributed.gradients.OverlappedAverage` averages the gradients during the last
+pass in an order every rank follows, and a rank whose attempt failed sends the rest afterwards. Then the ranks agree
+on the host (one all-reduce of a few numbers on a gloo group of their own: no device synchronisation), and only an
+attempt every rank completed reaches the optimizer. A rank never steps with another rank's partial gradient, and no
+rank retries alone. Strategies that gather parameters inside the forward pass (FSDP) cannot do without collectives
+in a pass, and are refused before launch.
 
 The chunk size a step needed stays in force for the rest of the epoch (a checkpoint stores it, so a resumed run goes
 on with it); global rank 0 logs each retried step.
@@ -33,6 +34,7 @@ import torch.distributed
 from flair.data import DataPoint
 from lightning.fabric import Fabric
 
+from flair_fabric.distributed.gradients import OverlappedAverage
 from flair_fabric.evaluation.batches import is_out_of_memory
 from flair_fabric.state.run_state import RunState
 from flair_fabric.state.training_state import rng_state, set_rng_state
@@ -75,13 +77,13 @@ class ChunksOnOutOfMemory:
     ) -> None:
         self.fabric, self.progress, self.mini_batch_size = fabric, progress, mini_batch_size
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
-        """The parameters that learn (their gradients are dropped after a failed attempt and averaged after the
-        step)."""
+        """The parameters that learn (their gradients are averaged over the ranks, and dropped after a failed
+        attempt)."""
         self.retried_steps = 0
-        self.learned_anywhere: list[bool] = []
         # a gloo group of its own, made by every rank at the same point: the agreement stays on the host
         several = fabric.world_size > 1 and torch.distributed.is_initialized()
         self.group = torch.distributed.new_group(backend="gloo", timeout=timeout) if several else None
+        self.average = OverlappedAverage(self.parameters, fabric.world_size) if several else None
 
     @classmethod
     def if_asked(
@@ -98,28 +100,25 @@ class ChunksOnOutOfMemory:
         return self.progress.chunk_size or self.mini_batch_size
 
     def step(self, batch: list, one_pass: Callable[[list, bool], None], where: str) -> None:
-        """Run ``one_pass(chunk, first)`` for each chunk of ``batch`` until every rank's passes fit; afterwards
-        :attr:`learned_anywhere` says, per parameter of :attr:`parameters`, whether any rank has a gradient for it.
-        ``where`` (the epoch and step) starts the log line and the error."""
+        """Run ``one_pass(chunk, first)`` for each chunk of ``batch`` until every rank's passes fit; then every rank
+        holds the gradients averaged over the ranks. ``where`` (the epoch and step) starts the log line and the
+        error."""
         generators = rng_state()
         while True:
             in_force = self.chunk_size
             chunks = chunks_of(batch, min(in_force, max(len(batch), 1)))
-            failed_on: list | None = None
-            for number, chunk in enumerate(chunks):
-                try:
-                    one_pass(chunk, number == 0)
-                except (torch.OutOfMemoryError, RuntimeError) as error:
-                    if not is_out_of_memory(error):
-                        raise
-                    failed_on = chunk
-                    break
+            failed_on = self._attempt(chunks, one_pass)
+            learned = self.average.finish() if self.average is not None else []
             proposal = in_force
             if failed_on is not None:
                 proposal = CANNOT_SPLIT if len(failed_on) == 1 else math.ceil(len(failed_on) / 2)
-            proposals, self.learned_anywhere = self._agree(proposal, [p.grad is not None for p in self.parameters])
+            proposals, learned_anywhere, order = self._agree(proposal, learned)
             agreed = min(proposals)
             if agreed == in_force:
+                if self.average is not None:
+                    self.average.keep_learned(learned_anywhere)
+                    if not self.average.order_adopted:
+                        self.average.adopt_order(order)
                 return
             failed = [rank for rank, value in enumerate(proposals) if value < in_force]
             if agreed == CANNOT_SPLIT:
@@ -132,22 +131,41 @@ class ChunksOnOutOfMemory:
             set_rng_state(generators)
             self.progress.chunk_size = agreed
             self.retried_steps += 1
-            if self.fabric.is_global_zero:
-                log.warning(
-                    f"{where}: out of memory on rank(s) {failed}; the step is redone in chunks of {agreed} data"
-                    f" point(s) ({math.ceil(self.mini_batch_size / agreed)} per mini-batch), kept for the rest of"
-                    " the epoch"
-                )
+            log.warning(  # (flair's logger is off on the other ranks: global rank 0 tells)
+                f"{where}: out of memory on rank(s) {failed}; the step is redone in chunks of {agreed} data"
+                f" point(s) ({math.ceil(self.mini_batch_size / agreed)} per mini-batch), kept for the rest of"
+                " the epoch"
+            )
 
-    def _agree(self, proposal: int, learned: list[bool]) -> tuple[list[int], list[bool]]:
-        """Every rank's proposed chunk size, and per parameter whether any rank has a gradient for it (on the host:
-        one all-reduce on the gloo group; none in one process)."""
-        if self.group is None:
-            return [proposal], learned
-        world_size = self.fabric.world_size
-        values = torch.zeros(world_size + len(learned), dtype=torch.float64)
+    def _attempt(self, chunks: list[list], one_pass: Callable[[list, bool], None]) -> list | None:
+        """Run the passes of one attempt; the chunk that ran out of memory, or ``None`` if every pass fitted."""
+        if self.average is not None:
+            self.average.start_attempt()
+        for number, chunk in enumerate(chunks):
+            if number == len(chunks) - 1 and self.average is not None:
+                self.average.last_pass()  # its gradients are sent while it runs
+            try:
+                one_pass(chunk, number == 0)
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_out_of_memory(error):
+                    raise
+                return chunk
+        return None
+
+    def _agree(self, proposal: int, learned: list[bool]) -> tuple[list[int], list[bool], list[float]]:
+        """Every rank's proposed chunk size, per parameter whether any rank has a gradient for it, and (until the
+        order is adopted) global rank 0's order of readiness; on the host: one all-reduce on the gloo group, none in
+        one process."""
+        if self.group is None or self.average is None:
+            return [proposal], learned, []
+        world_size, count = self.fabric.world_size, len(learned)
+        with_order = not self.average.order_adopted
+        values = torch.zeros(world_size + count + (count if with_order else 0), dtype=torch.float64)
         values[self.fabric.global_rank] = proposal
-        values[world_size:] = torch.tensor(learned, dtype=torch.float64)
+        values[world_size : world_size + count] = torch.tensor(learned, dtype=torch.float64)
+        if with_order and self.fabric.global_rank == 0:
+            values[world_size + count :] = torch.tensor(self.average.readiness_positions(), dtype=torch.float64)
         torch.distributed.all_reduce(values, group=self.group)
         numbers = values.tolist()
-        return [round(value) for value in numbers[:world_size]], [value > 0 for value in numbers[world_size:]]
+        learned_anywhere = [value > 0 for value in numbers[world_size : world_size + count]]
+        return [round(value) for value in numbers[:world_size]], learned_anywhere, numbers[world_size + count :]

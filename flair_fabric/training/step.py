@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 import torch
 from flair.training_utils import identify_dynamic_embeddings, store_embeddings
 
-from flair_fabric.distributed.gradients import average_gradients
 from flair_fabric.strategies.sharded_state import whole_tensor
 from flair_fabric.training.loss import LossTracker
 from flair_fabric.training.participation import chunks_for_every_rank
@@ -23,7 +22,7 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
     nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`). With
     ``mini_batch_chunk_size="auto"`` the passes run without gradient sync, a step that ran out of memory is redone
-    in smaller chunks on every rank, and the gradients are averaged afterwards
+    in smaller chunks on every rank, and the gradients are averaged by flair-fabric during the last pass
     (:mod:`flair_fabric.training.out_of_memory`)."""
     fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
     optimizer = trainer.optimizer
@@ -45,12 +44,11 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
         def one_pass(chunk: list, first: bool) -> None:
             if first:  # a new attempt: the losses of a failed one are dropped
                 attempt[0] = LossTracker(fabric.device)
-            with fabric.no_backward_sync(module, enabled=fabric.world_size > 1):  # averaged after the agreement
+            with fabric.no_backward_sync(module, enabled=fabric.world_size > 1):  # (averaged by OverlappedAverage)
                 _forward_backward(run, chunk, batch, attempt[0])
 
         retries.step(batch, one_pass, where=f"epoch {run.position.epoch}, step {run.position.step}")
         batch_loss = attempt[0]
-        average_gradients(retries.parameters, retries.learned_anywhere, fabric.world_size)
 
     trainer.dispatch("before_training_optimizer_step", **batch_kw)
     gradient_norm = None

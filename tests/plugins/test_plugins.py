@@ -61,6 +61,7 @@ def logged_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, di
         "devices": 2,
         "save_model_each_k_epochs": 1,
         "progress_bar": True,
+        "collective_timeout": 60,  # a rank left waiting ends the run (and fails the tests) within a minute
     }
     runs = [{"name": "loggers", "method": "train", "kwargs": kwargs, "loggers": True}]
     output = run_script("ddp_runs.py", str(write_config(out / "config.json", {"out": str(out), "runs": runs})))

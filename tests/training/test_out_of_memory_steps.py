@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,8 @@ def _retried_together() -> Iterator[None]:
             pytest.fail(f"a step that ran out of memory was not redone in chunks: {error}")
         if re.search(r"longer than collective_timeout|[Tt]imed out", text):
             pytest.fail(f"the ranks did not agree and one waited for the others: {error}")
+        if re.search(r"[Gg]loo|NCCL|[Cc]onnection closed by peer|size mismatch", text):
+            pytest.fail(f"the ranks' collectives fell out of step: {error}")
         raise
 
 
@@ -196,18 +199,24 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
     reference = copy.deepcopy(model)
     raises = _limited(model, tmp_path / "two", most=1, ranks=ranks, in_backward=in_backward)
     flair.set_seed(1)
+    every_rank = logging.FileHandler(tmp_path / "every-rank.log")  # forked ranks inherit it: what any rank logs
+    logging.getLogger("flair").addHandler(every_rank)
     with _retried_together():
-        FabricTrainer(model, corpus).train(
-            tmp_path / "two",
-            mini_batch_size=4,
-            mini_batch_chunk_size="auto",
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_fork",
-            balance_batches=balance_batches,
-            collective_timeout=20,
-            **UNION,
-        )
+        try:
+            FabricTrainer(model, corpus).train(
+                tmp_path / "two",
+                mini_batch_size=4,
+                mini_batch_chunk_size="auto",
+                accelerator="cpu",
+                devices=2,
+                strategy="ddp_fork",
+                balance_batches=balance_batches,
+                collective_timeout=20,
+                **UNION,
+            )
+        finally:
+            logging.getLogger("flair").removeHandler(every_rank)
+            every_rank.close()
     flair.set_seed(1)
     ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **UNION)
 
@@ -220,6 +229,8 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
     assert failed == list(ranks)
     expected = f"out of memory on rank(s) {list(ranks)}; the step is redone in chunks of"
     assert _retry_lines(tmp_path / "two") == [f"{expected} 2", f"{expected} 1"] * OPTIONS["max_epochs"]
+    told = (tmp_path / "every-rank.log").read_text().count("the step is redone in chunks of")
+    assert told == 2 * OPTIONS["max_epochs"], "each retried step is logged once, by global rank 0"
 
 
 def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[TextClassifier, Path]:
@@ -246,13 +257,15 @@ def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[Text
 def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp_path: Path) -> None:
     """A transformer has buffers, which DDP broadcasts at the start of a forward pass that follows a synchronised one;
     rank 1 runs out of memory after that start, rank 0 does not: the retry must not leave one rank in a broadcast.
-    The run ends with flair's weights on one process and the union of the batches."""
+    The run ends with flair's weights on one process and the union of the batches (BERT's pooler, which no pass
+    reaches, unchanged by AdamW's weight decay as in flair)."""
     corpus = small_trec(train_size=16)
     bert = make_tiny_bert(tmp_path / "bert", corpus)
     model, reference = tiny_transformer_classifier(corpus, bert), tiny_transformer_classifier(corpus, bert)
     assert list(model.buffers()), "the test needs a model with buffers"
     _limited(model, tmp_path / "two", most=2, ranks=(1,), in_backward=False)
-    options = {**UNION, "max_epochs": 1, "learning_rate": 1e-3}
+    # AdamW decays every parameter that has a gradient: the pooler, which no pass reaches, must keep none
+    options = {**UNION, "max_epochs": 1, "learning_rate": 1e-3, "optimizer": torch.optim.AdamW, "weight_decay": 1.0}
     flair.set_seed(1)
     with _retried_together():
         FabricTrainer(model, corpus).train(
