@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,15 @@ def _assert_same_result(sharded: Result, single: Result) -> None:
         assert sharded.scores[key] == (pytest.approx(value, rel=1e-6, abs=1e-9) if key == "loss" else value), key
 
 
+@contextlib.contextmanager
+def _completes() -> Iterator[None]:
+    """A sharded evaluation that fails in its workers fails the test: it must end with flair's result."""
+    try:
+        yield
+    except Exception as error:
+        pytest.fail(f"the sharded evaluation did not complete with flair's result: {type(error).__name__}: {error}")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world_size: int, tmp_path: Path) -> None:
@@ -147,7 +157,8 @@ def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world
     config = make_launch_config(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    sharded = run_on_ranks(config, _evaluate_every_case, (tmp_path, cases), result_types=(Result,))
+    with _completes():
+        sharded = run_on_ranks(config, _evaluate_every_case, (tmp_path, cases), result_types=(Result,))
 
     predicted = [json.loads((tmp_path / f"predicted-rank{rank}.json").read_text()) for rank in range(world_size)]
     for case in cases:
@@ -257,16 +268,17 @@ def test_public_evaluate_under_spawn_moves_ner_sentences_and_equals_flair(tmp_pa
     corpus = small_wnut(tmp_path / "wnut")
     model = tiny_sequence_tagger(corpus)
     sentences = [corpus.dev[index] for index in range(len(corpus.dev))]
-    sharded = flair_fabric.evaluate(
-        model,
-        sentences,
-        WNUT16_LABEL_TYPE,
-        out_path=tmp_path / "sharded.tsv",
-        mini_batch_size=3,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-    )
+    with _completes():
+        sharded = flair_fabric.evaluate(
+            model,
+            sentences,
+            WNUT16_LABEL_TYPE,
+            out_path=tmp_path / "sharded.tsv",
+            mini_batch_size=3,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+        )
     # the spawned workers predicted on copies; the caller's sentences now carry rank 0's gathered predictions
     from_workers = [[repr(label) for label in sentence.get_labels("predicted")] for sentence in sentences]
     assert any(from_workers), "the tiny tagger predicts some spans"
