@@ -13,7 +13,8 @@ attempt that is thrown away costs its communication, never a wait.
 
 The order is first the reverse of the parameters' order; from the first step on it is global rank 0's order of
 readiness in that step (DDP rebuilds its buckets in the same way), so that a parameter no pass reaches (BERT's
-pooler) does not hold the others back. A parameter that got no gradient on any rank keeps none, as with DDP.
+pooler) does not hold the others back. Consecutive small gradients (biases, norms) travel together in one
+all-reduce. A parameter that got no gradient on any rank keeps none, as with DDP.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from functools import partial
 import torch
 import torch.distributed
 
+SMALL = 2**20
+"""Bytes under which consecutive gradients (biases, norms) travel together in one all-reduce, copied into one
+buffer; a larger gradient is all-reduced where it lies."""
+
 
 class OverlappedAverage:
     """Averages the gradients of ``parameters`` over the ranks during the last backward pass of each attempt."""
 
     def __init__(self, parameters: list[torch.nn.Parameter], world_size: int) -> None:
         self.parameters, self.world_size = parameters, world_size
-        self.order = list(reversed(range(len(parameters))))
+        self._set_order(list(reversed(range(len(parameters)))))
         self.order_adopted = False
         self._start(armed=False)
         self._hooks = [
@@ -37,11 +42,28 @@ class OverlappedAverage:
             for index, parameter in enumerate(parameters)
         ]
 
+    def _set_order(self, order: list[int]) -> None:
+        """Send in ``order``: consecutive small gradients in one all-reduce, each larger one alone."""
+        self.order = order
+        self.groups: list[list[int]] = []
+        size = 0
+        for index in order:
+            parameter = self.parameters[index]
+            bytes_ = parameter.numel() * parameter.element_size()
+            last = self.groups[-1] if self.groups else None
+            joins = last is not None and bytes_ < SMALL and size + bytes_ <= SMALL
+            if joins and last is not None and self.parameters[last[0]].dtype == parameter.dtype:
+                last.append(index)
+                size += bytes_
+            else:
+                self.groups.append([index])
+                size = bytes_ if bytes_ < SMALL else SMALL
+        self.group_of = {index: number for number, group in enumerate(self.groups) for index in group}
+
     def _start(self, armed: bool) -> None:
-        count = len(self.parameters)
-        self.armed, self.ready, self.sent_up_to = armed, [False] * count, 0
+        self.armed, self.ready, self.sent_up_to = armed, [False] * len(self.parameters), 0
         self.readiness: list[int] = []  # this attempt's order of readiness in its last pass
-        self.works: list[torch.distributed.Work] = []
+        self.works: list[tuple[torch.distributed.Work, torch.Tensor | None, list[int]]] = []
 
     def start_attempt(self) -> None:
         """A new attempt: nothing sent yet."""
@@ -56,15 +78,20 @@ class OverlappedAverage:
             return
         self.ready[index] = True
         self.readiness.append(index)
-        while self.sent_up_to < len(self.order) and self.ready[self.order[self.sent_up_to]]:
-            self._send(self.order[self.sent_up_to])
+        while self.sent_up_to < len(self.groups) and all(self.ready[i] for i in self.groups[self.sent_up_to]):
+            self._send(self.groups[self.sent_up_to])
 
-    def _send(self, index: int) -> None:
-        parameter = self.parameters[index]
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        parameter.grad.div_(self.world_size)
-        self.works.append(torch.distributed.all_reduce(parameter.grad, async_op=True))
+    def _send(self, group: list[int]) -> None:
+        gradients = []
+        for index in group:
+            parameter = self.parameters[index]
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            gradients.append(parameter.grad)
+        flat = gradients[0] if len(group) == 1 else torch.cat([gradient.reshape(-1) for gradient in gradients])
+        flat.div_(self.world_size)
+        work = torch.distributed.all_reduce(flat, async_op=True)
+        self.works.append((work, flat if len(group) > 1 else None, group))
         self.sent_up_to += 1
 
     def finish(self) -> list[bool]:
@@ -72,10 +99,16 @@ class OverlappedAverage:
         all-reduce; returns, per parameter, whether this rank had a gradient for it."""
         self.armed = False
         learned = [parameter.grad is not None for parameter in self.parameters]
-        while self.sent_up_to < len(self.order):
-            self._send(self.order[self.sent_up_to])
-        for work in self.works:
+        while self.sent_up_to < len(self.groups):
+            self._send(self.groups[self.sent_up_to])
+        for work, flat, group in self.works:
             work.wait()
+            if flat is not None:  # copied into one buffer: back into the gradients
+                parts = flat.split([self.parameters[index].numel() for index in group])
+                for index, part in zip(group, parts, strict=True):
+                    gradient = self.parameters[index].grad
+                    assert gradient is not None
+                    gradient.copy_(part.view_as(gradient))
         self.works = []
         return learned
 
@@ -91,7 +124,7 @@ class OverlappedAverage:
         """Send in the order ``positions`` gives (global rank 0's readiness), the parameters it did not reach last."""
         reached = sorted((place, index) for index, place in enumerate(positions) if place > 0)
         first = [index for _, index in reached]
-        self.order = first + [index for index in reversed(range(len(self.parameters))) if positions[index] == 0]
+        self._set_order(first + [index for index in reversed(range(len(self.parameters))) if positions[index] == 0])
         self.order_adopted = True
 
     def keep_learned(self, learned_anywhere: list[bool]) -> None:
