@@ -24,9 +24,14 @@ from functools import partial
 import torch
 import torch.distributed
 
-SMALL = 2**20
-"""Bytes under which consecutive gradients (biases, norms) travel together in one all-reduce, copied into one
-buffer; a larger gradient is all-reduced where it lies."""
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+"""DDP's bucket sizes: consecutive gradients travel together in one all-reduce, copied into one buffer, up to 25 MB
+(the first bucket 1 MB, so that communication starts early); a larger gradient is all-reduced where it lies."""
+
+
+def _shares_memory(gradient: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``gradient`` is a view of ``buffer`` (a gradient of the last step that nobody reset)."""
+    return gradient.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
 class OverlappedAverage:
@@ -43,22 +48,22 @@ class OverlappedAverage:
         ]
 
     def _set_order(self, order: list[int]) -> None:
-        """Send in ``order``: consecutive small gradients in one all-reduce, each larger one alone."""
+        """Send in ``order``, in DDP's buckets: consecutive gradients together up to the bucket size."""
         self.order = order
         self.groups: list[list[int]] = []
         size = 0
         for index in order:
             parameter = self.parameters[index]
             bytes_ = parameter.numel() * parameter.element_size()
+            cap = FIRST_BUCKET_BYTES if len(self.groups) <= 1 else BUCKET_BYTES
             last = self.groups[-1] if self.groups else None
-            joins = last is not None and bytes_ < SMALL and size + bytes_ <= SMALL
-            if joins and last is not None and self.parameters[last[0]].dtype == parameter.dtype:
+            if last is not None and size + bytes_ <= cap and self.parameters[last[0]].dtype == parameter.dtype:
                 last.append(index)
                 size += bytes_
             else:
                 self.groups.append([index])
-                size = bytes_ if bytes_ < SMALL else SMALL
-        self.group_of = {index: number for number, group in enumerate(self.groups) for index in group}
+                size = bytes_
+        self.buffers: dict[int, torch.Tensor] = {}  # per bucket of several gradients, reused from step to step
 
     def _start(self, armed: bool) -> None:
         self.armed, self.ready, self.sent_up_to = armed, [False] * len(self.parameters), 0
@@ -88,7 +93,14 @@ class OverlappedAverage:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             gradients.append(parameter.grad)
-        flat = gradients[0] if len(group) == 1 else torch.cat([gradient.reshape(-1) for gradient in gradients])
+        if len(group) == 1:
+            flat = gradients[0]
+        else:
+            number = self.sent_up_to
+            buffer = self.buffers.get(number)
+            if buffer is None or any(_shares_memory(gradient, buffer) for gradient in gradients):
+                self.buffers[number] = gradients[0].new_empty(sum(gradient.numel() for gradient in gradients))
+            flat = torch.cat([gradient.reshape(-1) for gradient in gradients], out=self.buffers[number])
         flat.div_(self.world_size)
         work = torch.distributed.all_reduce(flat, async_op=True)
         self.works.append((work, flat if len(group) > 1 else None, group))
@@ -103,12 +115,10 @@ class OverlappedAverage:
             self._send(self.groups[self.sent_up_to])
         for work, flat, group in self.works:
             work.wait()
-            if flat is not None:  # copied into one buffer: back into the gradients
+            if flat is not None:  # copied into one buffer: the gradients become views of it (no copy back)
                 parts = flat.split([self.parameters[index].numel() for index in group])
                 for index, part in zip(group, parts, strict=True):
-                    gradient = self.parameters[index].grad
-                    assert gradient is not None
-                    gradient.copy_(part.view_as(gradient))
+                    self.parameters[index].grad = part.view_as(self.parameters[index])
         self.works = []
         return learned
 
