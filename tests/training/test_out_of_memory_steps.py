@@ -182,6 +182,21 @@ def test_a_data_point_that_does_not_fit_alone_ends_the_run_on_every_rank_with_it
 UNION: dict[str, Any] = {**OPTIONS, "shuffle": False}
 
 
+def _auto_on_two_ranks(model: TextClassifier, corpus: Any, folder: Path, **options: Any) -> None:
+    """``train`` with ``mini_batch_chunk_size="auto"`` on 2 forked CPU ranks, batches of 4 per rank."""
+    with _retried_together():
+        FabricTrainer(model, corpus).train(
+            folder,
+            mini_batch_size=4,
+            mini_batch_chunk_size="auto",
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_fork",
+            collective_timeout=20,
+            **options,
+        )
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("ranks", "in_backward", "balance_batches"),
@@ -201,22 +216,11 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
     flair.set_seed(1)
     every_rank = logging.FileHandler(tmp_path / "every-rank.log")  # forked ranks inherit it: what any rank logs
     logging.getLogger("flair").addHandler(every_rank)
-    with _retried_together():
-        try:
-            FabricTrainer(model, corpus).train(
-                tmp_path / "two",
-                mini_batch_size=4,
-                mini_batch_chunk_size="auto",
-                accelerator="cpu",
-                devices=2,
-                strategy="ddp_fork",
-                balance_batches=balance_batches,
-                collective_timeout=20,
-                **UNION,
-            )
-        finally:
-            logging.getLogger("flair").removeHandler(every_rank)
-            every_rank.close()
+    try:
+        _auto_on_two_ranks(model, corpus, tmp_path / "two", balance_batches=balance_batches, **UNION)
+    finally:
+        logging.getLogger("flair").removeHandler(every_rank)
+        every_rank.close()
     flair.set_seed(1)
     ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **UNION)
 
@@ -237,19 +241,7 @@ def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[Text
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)
     raises = _limited(model, folder, most=1, ranks=(1,), in_backward=False)
-    with _retried_together():
-        FabricTrainer(model, corpus).train(
-            folder,
-            mini_batch_size=4,
-            mini_batch_chunk_size="auto",
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_fork",
-            plugins=[KillAtStep(kill_at)],
-            collective_timeout=20,
-            **{**OPTIONS, "max_epochs": 1},
-            **options,
-        )
+    _auto_on_two_ranks(model, corpus, folder, plugins=[KillAtStep(kill_at)], **{**OPTIONS, "max_epochs": 1}, **options)
     return model, raises
 
 
@@ -267,17 +259,7 @@ def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp
     # AdamW decays every parameter that has a gradient: the pooler, which no pass reaches, must keep none
     options = {**UNION, "max_epochs": 1, "learning_rate": 1e-3, "optimizer": torch.optim.AdamW, "weight_decay": 1.0}
     flair.set_seed(1)
-    with _retried_together():
-        FabricTrainer(model, corpus).train(
-            tmp_path / "two",
-            mini_batch_size=4,
-            mini_batch_chunk_size="auto",
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_fork",
-            collective_timeout=20,
-            **options,
-        )
+    _auto_on_two_ranks(model, corpus, tmp_path / "two", **options)
     flair.set_seed(1)
     ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **options)
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-5
