@@ -10,7 +10,7 @@ from flair.training_utils import identify_dynamic_embeddings, store_embeddings
 
 from flair_fabric.strategies.sharded_state import whole_tensor
 from flair_fabric.training.loss import LossTracker
-from flair_fabric.training.participation import chunks_for_every_rank
+from flair_fabric.training.participation import chunks_for_every_rank, learns_something
 
 if TYPE_CHECKING:
     from flair_fabric.training.run_interface import Run
@@ -69,6 +69,8 @@ def _forward_backward(run: Run, chunk: list, batch: list, batch_loss: LossTracke
     with fabric.autocast():
         if run.participation is None:
             loss, data_points = module.forward_loss(chunk)
+            if fabric.world_size > 1 and not learns_something(loss):  # as Participation counts it (none)
+                data_points = 0
         else:
             loss, data_points = run.participation.loss(module.forward_loss, chunk)
     batch_loss.add(loss, data_points)

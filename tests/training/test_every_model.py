@@ -150,3 +150,34 @@ def test_chunks_that_learn_nothing_and_uneven_chunk_counts_keep_the_ranks_togeth
         raise
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
     assert _train_losses(tmp_path / "fabric-run") == pytest.approx(_train_losses(tmp_path / "flair"), abs=2e-4)
+
+
+@pytest.mark.parametrize("name", NOTHING_TO_LEARN_ON_ODD)
+def test_auto_chunks_where_one_rank_has_nothing_to_learn(name: str, tmp_path: Path) -> None:
+    """``mini_batch_chunk_size="auto"``: rank 0 runs out of memory on any pass of more than one data point and redoes
+    its steps in chunks of one, while every batch of rank 1 learns nothing (it sends zeros for every gradient). The
+    run ends with the weights and train losses of flair's own trainer on the union of the batches."""
+    reference, corpus, extra = ZOO[name](tmp_path / "reference")
+    ModelTrainer(reference, corpus).train(tmp_path / "flair", mini_batch_size=2 * BATCH, **COMMON, **extra)
+    model, corpus, extra = ZOO[name](tmp_path / "fabric")
+    limit_passes(model, most_points=1, ranks=(0,))
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path / "fabric-run",
+            mini_batch_size=BATCH,
+            mini_batch_chunk_size="auto",
+            devices=2,
+            accelerator="cpu",
+            strategy="ddp_fork",
+            collective_timeout=20,
+            **COMMON,
+            **extra,
+        )
+    except Exception as error:
+        if "out of memory (injected" in str(error):
+            pytest.fail(f"a step that ran out of memory was not redone in chunks: {error}")
+        if "waited longer than collective_timeout" in str(error):
+            pytest.fail(f"a rank was left waiting in a collective: {error}")
+        raise
+    assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-4
+    assert _train_losses(tmp_path / "fabric-run") == pytest.approx(_train_losses(tmp_path / "flair"), abs=2e-4)
