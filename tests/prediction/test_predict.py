@@ -110,7 +110,7 @@ def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warn
     try:
         flair_fabric.predict(model, ours, devices=2, mini_batch_size=4, **FORK)
     except Exception as error:
-        if "cannot be moved between processes" in str(error):
+        if re.search(r"cannot be moved between processes|Connection closed by peer|[Tt]imed out", str(error)):
             pytest.fail(f"a model whose labels cannot move must be predicted by the caller, not end the run: {error}")
         raise
     finally:
