@@ -101,14 +101,23 @@ def explain_timeouts(fabric: Fabric, position: Position, timeout: timedelta) -> 
 _patient_groups: dict[Any, Any] = {}
 
 
-def wait_for_global_zero(fabric: Fabric) -> None:
-    """Every rank: wait, with a 2-hour timeout, until all ranks (global rank 0 last, after its file work) get here.
-
-    A collective on a gloo group of its own (made on first use, by every rank at the same point)."""
+def prepare_patient_group(fabric: Fabric) -> Any:
+    """The gloo group :func:`wait_for_global_zero` waits on, made now if not yet (every rank at the same point; a
+    run makes it at its start, so that a rank 0 that dies before its first save leaves the others in a barrier that
+    ends when its sockets close, not in the group's making). ``None`` in one process."""
     if fabric.world_size == 1 or not torch.distributed.is_initialized():
-        return
+        return None
     world = torch.distributed.group.WORLD
     if world not in _patient_groups:
         _patient_groups.clear()  # a new default group (a new run in this process): the old one is gone
         _patient_groups[world] = torch.distributed.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
-    torch.distributed.barrier(group=_patient_groups[world])
+    return _patient_groups[world]
+
+
+def wait_for_global_zero(fabric: Fabric) -> None:
+    """Every rank: wait, with a 2-hour timeout, until all ranks (global rank 0 last, after its file work) get here.
+
+    A collective on a gloo group of its own (:func:`prepare_patient_group`)."""
+    group = prepare_patient_group(fabric)
+    if group is not None:
+        torch.distributed.barrier(group=group)
