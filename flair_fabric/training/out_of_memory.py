@@ -39,6 +39,7 @@ from flair_fabric.evaluation.batches import is_out_of_memory
 from flair_fabric.state.run_state import RunState
 from flair_fabric.state.training_state import rng_state, set_rng_state
 from flair_fabric.training.arguments import TrainArguments
+from flair_fabric.training.participation import chunks_for_every_rank
 
 log = logging.getLogger("flair")
 
@@ -59,11 +60,6 @@ def release_memory(batch: list[DataPoint], parameters: list[torch.nn.Parameter])
         torch.mps.empty_cache()
 
 
-def chunks_of(batch: list, size: int) -> list[list]:
-    """flair's chunks of ``batch`` (``ModelTrainer.get_batch_steps``): consecutive runs of ``size`` data points."""
-    return [batch[start : start + size] for start in range(0, len(batch), size)] or [batch]
-
-
 class ChunksOnOutOfMemory:
     """One rank's part in redoing out-of-memory steps in smaller chunks (see the module doc)."""
 
@@ -79,7 +75,6 @@ class ChunksOnOutOfMemory:
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         """The parameters that learn (their gradients are averaged over the ranks, and dropped after a failed
         attempt)."""
-        self.retried_steps = 0
         # a gloo group of its own, made by every rank at the same point: the agreement stays on the host
         several = fabric.world_size > 1 and torch.distributed.is_initialized()
         self.group = torch.distributed.new_group(backend="gloo", timeout=timeout) if several else None
@@ -106,7 +101,7 @@ class ChunksOnOutOfMemory:
         generators = rng_state()
         while True:
             in_force = self.chunk_size
-            chunks = chunks_of(batch, min(in_force, max(len(batch), 1)))
+            chunks = chunks_for_every_rank(batch, in_force, len(batch))  # flair's chunks (no rank pads here)
             failed_on = self._attempt(chunks, one_pass)
             learned = self.average.finish() if self.average is not None else []
             proposal = in_force
@@ -130,7 +125,6 @@ class ChunksOnOutOfMemory:
             release_memory(batch, self.parameters)
             set_rng_state(generators)
             self.progress.chunk_size = agreed
-            self.retried_steps += 1
             log.warning(  # (flair's logger is off on the other ranks: global rank 0 tells)
                 f"{where}: out of memory on rank(s) {failed}; the step is redone in chunks of {agreed} data"
                 f" point(s) ({math.ceil(self.mini_batch_size / agreed)} per mini-batch), kept for the rest of"
