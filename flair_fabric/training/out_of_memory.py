@@ -11,8 +11,8 @@ that names the data point).
 
 Several processes: no collective may be left unmatched when a pass fails, or the other ranks would wait in it for
 ever (a DDP bucket all-reduce that a rank failing in its backward pass never joins). So no pass runs DDP's own
-collectives; :class:`~flair_fabric.distributed.gradients.OverlappedAverage` averages the gradients during the last
-pass in an order every rank follows, and a rank whose attempt failed sends the rest afterwards. Then the ranks agree
+collectives; :class:`~flair_fabric.distributed.gradients.OverlappedSum` sums the gradients over the ranks during the
+last pass in an order every rank follows, and a rank whose attempt failed sends the rest afterwards. Then the ranks agree
 on the host (one all-reduce of a few numbers on a gloo group of their own: no device synchronisation), and only an
 attempt every rank completed reaches the optimizer. A rank never steps with another rank's partial gradient, and no
 rank retries alone. Strategies that gather parameters inside the forward pass (FSDP) cannot do without collectives
@@ -34,7 +34,7 @@ import torch.distributed
 from flair.data import DataPoint
 from lightning.fabric import Fabric
 
-from flair_fabric.distributed.gradients import OverlappedAverage
+from flair_fabric.distributed.gradients import OverlappedSum
 from flair_fabric.evaluation.batches import is_out_of_memory
 from flair_fabric.state.run_state import RunState
 from flair_fabric.state.training_state import rng_state, set_rng_state
@@ -45,6 +45,9 @@ log = logging.getLogger("flair")
 
 CANNOT_SPLIT = 0
 """The chunk size a rank proposes when one data point alone does not fit."""
+WHOLE_BATCH = 2**30
+"""The chunk size in force (and proposed) while no step of the epoch ran out of memory: any rank's whole batch, which
+may hold more than ``mini_batch_size`` data points where the ranks' batches are balanced by length."""
 
 
 def release_memory(batch: list[DataPoint], parameters: list[torch.nn.Parameter]) -> None:
@@ -73,12 +76,12 @@ class ChunksOnOutOfMemory:
     ) -> None:
         self.fabric, self.progress, self.mini_batch_size = fabric, progress, mini_batch_size
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
-        """The parameters that learn (their gradients are averaged over the ranks, and dropped after a failed
+        """The parameters that learn (their gradients are summed over the ranks, and dropped after a failed
         attempt)."""
         # a gloo group of its own, made by every rank at the same point: the agreement stays on the host
         several = fabric.world_size > 1 and torch.distributed.is_initialized()
         self.group = torch.distributed.new_group(backend="gloo", timeout=timeout) if several else None
-        self.average = OverlappedAverage(self.parameters, fabric.world_size) if several else None
+        self.gradient_sum = OverlappedSum(self.parameters) if several else None
 
     @classmethod
     def if_asked(
@@ -89,31 +92,35 @@ class ChunksOnOutOfMemory:
             return None
         return cls(fabric, progress, module, arguments.flair.mini_batch_size, arguments.collective_timeout)
 
-    @property
-    def chunk_size(self) -> int:
-        """The chunk size in force: the whole mini-batch until a step needed less in this epoch."""
-        return self.progress.chunk_size or self.mini_batch_size
+    def close(self) -> None:
+        """The run is over: the gradient sum lets go of the parameters' hooks and its buffers."""
+        if self.gradient_sum is not None:
+            self.gradient_sum.close()
+
 
     def step(self, batch: list, one_pass: Callable[[list, bool], None], where: str) -> None:
         """Run ``one_pass(chunk, first)`` for each chunk of ``batch`` until every rank's passes fit; then every rank
-        holds the gradients averaged over the ranks. ``where`` (the epoch and step) starts the log line and the
+        holds the gradients summed over the ranks. ``where`` (the epoch and step) starts the log line and the
         error."""
         generators = rng_state()
         while True:
-            in_force = self.chunk_size
-            chunks = chunks_for_every_rank(batch, in_force, len(batch))  # flair's chunks (no rank pads here)
+            # the chunk size in force: the whole batch (whatever its size on this rank) until a step needed less
+            in_force = self.progress.chunk_size or WHOLE_BATCH
+            chunks = chunks_for_every_rank(batch, self.progress.chunk_size, len(batch))  # (no rank pads here)
             failed_on = self._attempt(chunks, one_pass)
-            learned = self.average.finish() if self.average is not None else []
+            learned = self.gradient_sum.send_rest() if self.gradient_sum is not None else []
             proposal = in_force
             if failed_on is not None:
                 proposal = CANNOT_SPLIT if len(failed_on) == 1 else math.ceil(len(failed_on) / 2)
-            proposals, learned_anywhere, order = self._agree(proposal, learned)
+            proposals, learned_anywhere, order = self._agree(proposal, learned)  # while the gradients travel
+            if self.gradient_sum is not None:
+                self.gradient_sum.wait()
             agreed = min(proposals)
             if agreed == in_force:
-                if self.average is not None:
-                    self.average.keep_learned(learned_anywhere)
-                    if not self.average.order_adopted:
-                        self.average.adopt_order(order)
+                if self.gradient_sum is not None:
+                    self.gradient_sum.keep_learned(learned_anywhere)
+                    if not self.gradient_sum.order_adopted:
+                        self.gradient_sum.adopt_order(order)
                 return
             failed = [rank for rank, value in enumerate(proposals) if value < in_force]
             if agreed == CANNOT_SPLIT:
@@ -133,11 +140,11 @@ class ChunksOnOutOfMemory:
 
     def _attempt(self, chunks: list[list], one_pass: Callable[[list, bool], None]) -> list | None:
         """Run the passes of one attempt; the chunk that ran out of memory, or ``None`` if every pass fitted."""
-        if self.average is not None:
-            self.average.start_attempt()
+        if self.gradient_sum is not None:
+            self.gradient_sum.start_attempt()
         for number, chunk in enumerate(chunks):
-            if number == len(chunks) - 1 and self.average is not None:
-                self.average.last_pass()  # its gradients are sent while it runs
+            if number == len(chunks) - 1 and self.gradient_sum is not None:
+                self.gradient_sum.last_pass()  # its gradients are sent while it runs
             try:
                 one_pass(chunk, number == 0)
             except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -150,15 +157,15 @@ class ChunksOnOutOfMemory:
         """Every rank's proposed chunk size, per parameter whether any rank has a gradient for it, and (until the
         order is adopted) global rank 0's order of readiness; on the host: one all-reduce on the gloo group, none in
         one process."""
-        if self.group is None or self.average is None:
+        if self.group is None or self.gradient_sum is None:
             return [proposal], learned, []
         world_size, count = self.fabric.world_size, len(learned)
-        with_order = not self.average.order_adopted
+        with_order = not self.gradient_sum.order_adopted
         values = torch.zeros(world_size + count + (count if with_order else 0), dtype=torch.float64)
         values[self.fabric.global_rank] = proposal
         values[world_size : world_size + count] = torch.tensor(learned, dtype=torch.float64)
         if with_order and self.fabric.global_rank == 0:
-            values[world_size + count :] = torch.tensor(self.average.readiness_positions(), dtype=torch.float64)
+            values[world_size + count :] = torch.tensor(self.gradient_sum.readiness_positions(), dtype=torch.float64)
         torch.distributed.all_reduce(values, group=self.group)
         numbers = values.tolist()
         learned_anywhere = [value > 0 for value in numbers[world_size : world_size + count]]

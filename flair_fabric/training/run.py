@@ -95,6 +95,8 @@ class TrainingRun:
                 clear_stored_embeddings(trainer.corpus)
                 context_stack.callback(clear_stored_embeddings, trainer.corpus)
             parameters = self.set_up()
+            if self.chunks_on_out_of_memory is not None:
+                context_stack.callback(self.chunks_on_out_of_memory.close)
             trainer.dispatch("after_setup", **parameters)
             log_setup(
                 trainer.model,

@@ -22,7 +22,7 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     Every rank runs as many chunks as the largest batch of this step has on any rank, and a chunk that learns
     nothing still takes part in the collectives (:mod:`flair_fabric.training.participation`). With
     ``mini_batch_chunk_size="auto"`` the passes run without gradient sync, a step that ran out of memory is redone
-    in smaller chunks on every rank, and the gradients are averaged by flair-fabric during the last pass
+    in smaller chunks on every rank, and the gradients are summed over the ranks by flair-fabric during the last pass
     (:mod:`flair_fabric.training.out_of_memory`)."""
     fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
     optimizer = trainer.optimizer
@@ -37,15 +37,16 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
         chunks = chunks_for_every_rank(batch, a.mini_batch_chunk_size, largest_batch)
         for chunk_no, chunk in enumerate(chunks):
             with fabric.no_backward_sync(module, enabled=chunk_no < len(chunks) - 1):
-                _forward_backward(run, chunk, batch, batch_loss)
+                # DDP averages the gradients over the ranks: a loss scaled by their number gives those of the sum
+                _forward_backward(run, chunk, batch, batch_loss, loss_scale=fabric.world_size)
     else:
         attempt = [LossTracker(fabric.device)]
 
         def one_pass(chunk: list, first: bool) -> None:
             if first:  # a new attempt: the losses of a failed one are dropped
                 attempt[0] = LossTracker(fabric.device)
-            with fabric.no_backward_sync(module, enabled=fabric.world_size > 1):  # (averaged by OverlappedAverage)
-                _forward_backward(run, chunk, batch, attempt[0])
+            with fabric.no_backward_sync(module, enabled=fabric.world_size > 1):  # (summed by OverlappedSum)
+                _forward_backward(run, chunk, batch, attempt[0], loss_scale=1)
 
         retries.step(batch, one_pass, where=f"epoch {run.position.epoch}, step {run.position.step}")
         batch_loss = attempt[0]
@@ -63,8 +64,9 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     return batch_loss, gradient_norm
 
 
-def _forward_backward(run: Run, chunk: list, batch: list, batch_loss: LossTracker) -> None:
-    """Forward and backward of one chunk of ``batch``; its loss is added to ``batch_loss``."""
+def _forward_backward(run: Run, chunk: list, batch: list, batch_loss: LossTracker, loss_scale: int) -> None:
+    """Forward and backward of one chunk of ``batch``, backpropagating its loss times ``loss_scale``; its loss is
+    added to ``batch_loss``."""
     fabric, a, module, trainer = run.fabric, run.flair_arguments, run.module, run.trainer
     with fabric.autocast():
         if run.participation is None:
@@ -74,9 +76,8 @@ def _forward_backward(run: Run, chunk: list, batch: list, batch_loss: LossTracke
         else:
             loss, data_points = run.participation.loss(module.forward_loss, chunk)
     batch_loss.add(loss, data_points)
-    # flair's losses are sums over data points; DDP averages gradients over ranks, so scaling by the
-    # world size gives the gradient of the sum over all ranks' batches.
-    trainer._backward(loss * fabric.world_size if fabric.world_size > 1 else loss)
+    # flair's losses are sums over data points: the gradients must be those of the sum over all ranks' batches
+    trainer._backward(loss * loss_scale if loss_scale != 1 else loss)
     if run.dynamic_embeddings is None and chunk:
         run.dynamic_embeddings = identify_dynamic_embeddings(batch)
     store_embeddings(chunk, a.embeddings_storage_mode, run.dynamic_embeddings)

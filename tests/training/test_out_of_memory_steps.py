@@ -23,6 +23,7 @@ import torch
 import torch.distributed
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 
@@ -51,10 +52,14 @@ class _FitsFewPoints(TextClassifier):
     ranks: tuple[int, ...] = (0,)
     in_backward = False
     raises: Path | None = None  # one line per raise
+    passes: Path | None = None  # one line per training pass: the rank and its number of data points
     _too_many = False
 
     def forward_loss(self, data_points: list) -> tuple[torch.Tensor, int]:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self.passes is not None and self.training:
+            with self.passes.open("a") as file:
+                file.write(f"{rank} {len(data_points)}\n")
         self._too_many = len(data_points) > self.most and rank in self.ranks
         if self._too_many and not self.in_backward:
             self._raise(len(data_points), rank)
@@ -79,7 +84,7 @@ def _limited(model: TextClassifier, folder: Path, most: int, ranks: tuple[int, .
     raises = folder / "out-of-memory-raises.txt"
     folder.mkdir(parents=True, exist_ok=True)
     _FitsFewPoints.most, _FitsFewPoints.ranks, _FitsFewPoints.in_backward = most, ranks, in_backward
-    _FitsFewPoints.raises = raises
+    _FitsFewPoints.raises, _FitsFewPoints.passes = raises, None
     first_embedding_parameter = next(model.embeddings.parameters())
     first_embedding_parameter.register_hook(model._in_backward)  # type: ignore[attr-defined]
     return raises
@@ -106,6 +111,12 @@ def _rows(folder: Path) -> list[dict[str, str]]:
     """loss.tsv as dicts by column title, without the timestamps."""
     lines = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
     return [{t: v for t, v in zip(lines[0], row, strict=True) if t != "TIMESTAMP"} for row in lines[1:]]
+
+
+def _retries(folder: Path) -> list[tuple[int, list[int], int]]:
+    """Each retried step global rank 0 logged: its epoch, the ranks that ran out of memory, the new chunk size."""
+    pattern = r"epoch (\d+), step \d+: out of memory on rank\(s\) \[([0-9, ]+)\]; the step is redone in chunks of (\d+)"
+    return [(int(e), [int(r) for r in ranks.split(", ")], int(c)) for e, ranks, c in re.findall(pattern, _log(folder))]
 
 
 def _retry_lines(folder: Path) -> list[str]:
@@ -232,10 +243,30 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
             assert float(ours[title]) == pytest.approx(float(union[title]), abs=2e-4), title
     failed = sorted({int(line.split()[0]) for line in raises.read_text().splitlines()})
     assert failed == list(ranks)
-    expected = f"out of memory on rank(s) {list(ranks)}; the step is redone in chunks of"
-    assert _retry_lines(tmp_path / "two") == [f"{expected} 2", f"{expected} 1"] * OPTIONS["max_epochs"]
+    retries = _retries(tmp_path / "two")
+    for epoch in range(1, OPTIONS["max_epochs"] + 1):  # halved from the failing pass down to 1, kept for the epoch
+        sizes = [size for e, _, size in retries if e == epoch]
+        assert sizes and sizes == sorted(set(sizes), reverse=True) and sizes[-1] == 1, (epoch, sizes)
+    assert all(set(told_ranks) <= set(ranks) for _, told_ranks, _ in retries)
     told = (tmp_path / "every-rank.log").read_text().count("the step is redone in chunks of")
-    assert told == 2 * OPTIONS["max_epochs"], "each retried step is logged once, by global rank 0"
+    assert told == len(retries), "each retried step is logged once, by global rank 0"
+
+
+@pytest.mark.multiprocess
+def test_without_out_of_memory_every_rank_learns_its_whole_batch_in_one_pass(tmp_path: Path) -> None:
+    """Batches balanced by length hold more or fewer data points than mini_batch_size; as long as no step runs out of
+    memory, each rank's batch is one pass (as with mini_batch_chunk_size=None), not cut at mini_batch_size."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    _limited(model, tmp_path, most=len(corpus.train), ranks=(0, 1), in_backward=False)
+    _FitsFewPoints.passes = tmp_path / "passes.txt"
+    _auto_on_two_ranks(model, corpus, tmp_path, balance_batches=True, **OPTIONS)
+    passes = [tuple(map(int, line.split())) for line in _FitsFewPoints.passes.read_text().splitlines()]
+    steps = OPTIONS["max_epochs"] * len(corpus.train) // 8  # batches of 4 on 2 ranks
+    for rank in (0, 1):
+        assert len([size for r, size in passes if r == rank]) == steps, f"rank {rank} cut a batch into chunks"
+    assert max(size for _, size in passes) > 4, "the test needs a rank's batch larger than mini_batch_size"
+    assert sum(size for _, size in passes) == OPTIONS["max_epochs"] * len(corpus.train)
 
 
 def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[TextClassifier, Path]:
@@ -246,12 +277,27 @@ def _run(folder: Path, kill_at: int | None = None, **options: Any) -> tuple[Text
     return model, raises
 
 
+class _GradientHooksLeft(TrainerPlugin):
+    """On every rank, once training is over: how many of the model's parameters still carry a hook that runs when
+    their gradient was accumulated (written to ``hooks-<rank>.txt``)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    @TrainerPlugin.hook
+    def after_training(self, **kw: Any) -> None:
+        hooked = [p for p in self.trainer.model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+        (self.folder / f"hooks-{torch.distributed.get_rank()}.txt").write_text(str(len(hooked)))
+
+
 @pytest.mark.multiprocess
 def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp_path: Path) -> None:
     """A transformer has buffers, which DDP broadcasts at the start of a forward pass that follows a synchronised one;
     rank 1 runs out of memory after that start, rank 0 does not: the retry must not leave one rank in a broadcast.
     The run ends with flair's weights on one process and the union of the batches (BERT's pooler, which no pass
-    reaches, unchanged by AdamW's weight decay as in flair)."""
+    reaches, unchanged by AdamW's weight decay as in flair). When the run is over, no rank's parameters keep the
+    gradient average's hooks (which would keep its buffers, a model's worth of gradients, alive)."""
     corpus = small_trec(train_size=16)
     bert = make_tiny_bert(tmp_path / "bert", corpus)
     model, reference = tiny_transformer_classifier(corpus, bert), tiny_transformer_classifier(corpus, bert)
@@ -260,11 +306,13 @@ def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp
     # AdamW decays every parameter that has a gradient: the pooler, which no pass reaches, must keep none
     options = {**UNION, "max_epochs": 1, "learning_rate": 1e-3, "optimizer": torch.optim.AdamW, "weight_decay": 1.0}
     flair.set_seed(1)
-    _auto_on_two_ranks(model, corpus, tmp_path / "two", **options)
+    _auto_on_two_ranks(model, corpus, tmp_path / "two", plugins=[_GradientHooksLeft(tmp_path)], **options)
     flair.set_seed(1)
     ModelTrainer(reference, corpus).train(tmp_path / "one", mini_batch_size=8, **options)
     assert state_dict_difference(model.state_dict(), reference.state_dict()) < 1e-5
-    assert _retry_lines(tmp_path / "two") == ["out of memory on rank(s) [1]; the step is redone in chunks of 2"]
+    sizes = [size for _, ranks, size in _retries(tmp_path / "two") if ranks == [1]]
+    assert sizes == sorted(set(sizes), reverse=True) and sizes[-1] == 2, sizes
+    assert [(tmp_path / f"hooks-{rank}.txt").read_text() for rank in (0, 1)] == ["0", "0"]
 
 
 @pytest.mark.multiprocess
@@ -278,9 +326,10 @@ def test_a_run_killed_after_a_retried_step_resumes_with_its_chunk_size_to_the_un
     with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
         _run(folder, kill_at=4, checkpoint_every_n_steps=2)
     raises = folder / "out-of-memory-raises.txt"
-    assert len(raises.read_text().splitlines()) == 2  # step 1: at 4 and at 2 data points
+    retried = len(raises.read_text().splitlines())
+    assert retried >= 2  # step 1: the whole batch, then halves, down to chunks of 1
     resumed, _ = _run(folder, resume_from="auto", checkpoint_every_n_steps=2)
-    assert len(raises.read_text().splitlines()) == 2  # none after the resume
+    assert len(raises.read_text().splitlines()) == retried  # none after the resume
     assert state_dict_difference(resumed.state_dict(), reference.state_dict()) <= 1e-6
     assert _rows(folder) == _rows(tmp_path / "uninterrupted")
 
