@@ -2,21 +2,21 @@
 every rank together, with the result it has when chunked from the start.
 
 flair's losses are sums, so a mini-batch cut into chunks (flair's ``mini_batch_chunk_size``) gives the gradient of
-the whole batch. A step starts with the chunk size in force (the whole mini-batch at the start of each epoch). A pass
-that raises an out-of-memory error (:func:`~flair_fabric.evaluation.batches.is_out_of_memory`) ends this rank's
+the whole batch. A step starts with the chunk size in force (each rank's whole batch at the start of each epoch). A
+pass that raises an out-of-memory error (:func:`~flair_fabric.evaluation.batches.is_out_of_memory`) ends this rank's
 attempt; then the ranks agree, and if any rank ran out of memory every rank throws the attempt away (the gradients,
 the embeddings stored on the batch, the cached allocator blocks), puts its random number generators back where the
 step began, and redoes the step in chunks of half the size, down to one data point (then the run stops with an error
 that names the data point).
 
-Several processes: no collective may be left unmatched when a pass fails, or the other ranks would wait in it for
-ever (a DDP bucket all-reduce that a rank failing in its backward pass never joins). So no pass runs DDP's own
-collectives; :class:`~flair_fabric.distributed.gradients.OverlappedSum` sums the gradients over the ranks during the
-last pass in an order every rank follows, and a rank whose attempt failed sends the rest afterwards. Then the ranks agree
-on the host (one all-reduce of a few numbers on a gloo group of their own: no device synchronisation), and only an
-attempt every rank completed reaches the optimizer. A rank never steps with another rank's partial gradient, and no
-rank retries alone. Strategies that gather parameters inside the forward pass (FSDP) cannot do without collectives
-in a pass, and are refused before launch.
+Several processes: no collective may be left unmatched when a pass fails, or the other ranks would wait in it for ever
+(a DDP bucket all-reduce that a rank failing in its backward pass never joins). So no pass runs DDP's own collectives;
+:class:`~flair_fabric.distributed.gradients.OverlappedSum` sums the gradients over the ranks during the last pass in an
+order every rank follows, and a rank whose attempt failed sends the rest afterwards. Then the ranks agree on the host
+(one all-reduce of a few numbers on a gloo group of their own, while the gradients travel: no device synchronisation),
+and only an attempt every rank completed reaches the optimizer. A rank never steps with another rank's partial gradient,
+and no rank retries alone. Strategies that gather parameters inside the forward pass (FSDP) cannot do without
+collectives in a pass, and are refused before launch.
 
 The chunk size a step needed stays in force for the rest of the epoch (a checkpoint stores it, so a resumed run goes
 on with it); global rank 0 logs each retried step.
@@ -96,7 +96,6 @@ class ChunksOnOutOfMemory:
         """The run is over: the gradient sum lets go of the parameters' hooks and its buffers."""
         if self.gradient_sum is not None:
             self.gradient_sum.close()
-
 
     def step(self, batch: list, one_pass: Callable[[list, bool], None], where: str) -> None:
         """Run ``one_pass(chunk, first)`` for each chunk of ``batch`` until every rank's passes fit; then every rank
