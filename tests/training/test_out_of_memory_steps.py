@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import re
 from collections.abc import Iterator
 from datetime import timedelta
@@ -54,6 +55,7 @@ class _FitsFewPoints(TextClassifier):
     raises: Path | None = None  # one line per raise
     passes: Path | None = None  # one line per training pass: the rank and its number of data points
     _too_many = False
+    _size = 0
 
     def forward_loss(self, data_points: list) -> tuple[torch.Tensor, int]:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -61,6 +63,7 @@ class _FitsFewPoints(TextClassifier):
             with self.passes.open("a") as file:
                 file.write(f"{rank} {len(data_points)}\n")
         self._too_many = len(data_points) > self.most and rank in self.ranks
+        self._size = len(data_points)
         if self._too_many and not self.in_backward:
             self._raise(len(data_points), rank)
         return super().forward_loss(data_points)
@@ -74,7 +77,7 @@ class _FitsFewPoints(TextClassifier):
     def _in_backward(self, gradient: torch.Tensor) -> torch.Tensor:
         if self._too_many and self.in_backward:
             self._too_many = False
-            self._raise(-1, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+            self._raise(self._size, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         return gradient
 
 
@@ -241,9 +244,11 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
         assert ours.keys() == union.keys()
         for title in ours:
             assert float(ours[title]) == pytest.approx(float(union[title]), abs=2e-4), title
-    failed = sorted({int(line.split()[0]) for line in raises.read_text().splitlines()})
-    assert failed == list(ranks)
+    raised = [tuple(map(int, line.split())) for line in raises.read_text().splitlines()]
+    assert sorted({rank for rank, _ in raised}) == list(ranks)
     retries = _retries(tmp_path / "two")
+    if len(ranks) == 1:  # each raise is one retried attempt, in chunks of half the pass that failed
+        assert [size for _, _, size in retries] == [math.ceil(size / 2) for _, size in raised]
     for epoch in range(1, OPTIONS["max_epochs"] + 1):  # halved from the failing pass down to 1, kept for the epoch
         sizes = [size for e, _, size in retries if e == epoch]
         assert sizes and sizes == sorted(set(sizes), reverse=True) and sizes[-1] == 1, (epoch, sizes)
