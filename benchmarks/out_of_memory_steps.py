@@ -136,7 +136,8 @@ def main() -> None:
         "| mode | median step (s) | x plain |",
         "|---|---|---|",
         f"| `None` (DDP synchronises in the backward pass) | {plain:.4f} | 1.000 |",
-        f"| `'auto'` (flair-fabric's overlapped gradient sum, agreement on the host) | {auto:.4f} | {auto / plain:.3f} |",
+        f"| `'auto'` (flair-fabric's overlapped gradient sum, agreement on the host) | {auto:.4f}"
+        f" | {auto / plain:.3f} |",
         "",
         f"Spread of the plain steps (quartiles): {spread[0]:.4f} to {spread[2]:.4f} s. Per pair of runs (an auto run"
         f" against the plain run before it), the ratio of their median steps: median"
