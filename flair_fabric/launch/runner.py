@@ -39,7 +39,7 @@ import torch
 from lightning.fabric import Fabric
 from torch.multiprocessing import ProcessExitedException
 
-from flair_fabric.distributed.stalls import Position, explain_timeouts
+from flair_fabric.distributed.stalls import Position, explain_timeouts, prepare_patient_group
 from flair_fabric.launch import transport
 from flair_fabric.launch.config import LaunchConfig, build_fabric
 from flair_fabric.launch.environment import environment_restored, external_launch
@@ -170,9 +170,9 @@ def run_job(job: Job, launch: LaunchConfig) -> Any:
 
 
 def destroy_process_group_at_exit() -> None:
-    """A rank that is the script's own process ends its process group while Python is still whole: gloo's threads
-    can otherwise abort the interpreter's finalization ("terminate called without an active exception", SIGABRT;
-    pytorch/pytorch#190489)."""
+    """A rank that is the script's own process (at exit), or a worker whose job is done, ends its process groups while
+    Python is still whole: gloo's threads can otherwise abort the interpreter's finalization ("terminate called
+    without an active exception", SIGABRT; pytorch/pytorch#190489)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -218,12 +218,16 @@ def _run_in_workers(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
 
 
 def _on_rank(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
-    """Every rank: its device, its guard, its logging, its stall diagnostics; then the job."""
+    """Every rank: its device, its guard, its logging, its stall diagnostics, the group rank 0's file work is waited
+    for on; then the job."""
     flair.device = fabric.device
     relaunched = "LOCAL_RANK" in os.environ and external_launch() is None and fabric.local_rank > 0
     if relaunched or multiprocessing.parent_process() is not None:
         exit_with_parent()  # a copy of the script, or a worker, must not outlive the process that started it
     with log_on_global_zero_only(fabric), explain_timeouts(fabric, job.position, timeout):
+        # every job waits for rank 0's file work on it: made by every rank before the job (a rank 0 that fails early
+        # leaves the others in a barrier that ends when its sockets close, not in the group's making)
+        prepare_patient_group(fabric)
         return job.run_on_rank(fabric)
 
 
@@ -284,3 +288,4 @@ def _run_in_worker(
         result = _on_rank(fabric, job, timeout)
         if fabric.is_global_zero:
             save_private(result, handoff)
+    destroy_process_group_at_exit()  # the worker ends next: its gloo threads must not outlive Python's finalization

@@ -15,7 +15,7 @@ import torch
 from flair.data import Corpus
 from lightning.fabric import Fabric
 
-from flair_fabric.distributed.stalls import Position, prepare_patient_group
+from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.runner import Job
 from flair_fabric.state.safe_loading import as_plain_data
 from flair_fabric.training.arguments import TrainArguments
@@ -55,7 +55,6 @@ def train_on_rank(trainer: RunsOnRanks, fabric: Fabric, arguments: TrainArgument
     with the requeue exit code after its checkpoint."""
     run = TrainingRun(trainer, fabric, arguments, position)
     trainer.attach_run(fabric, run)
-    prepare_patient_group(fabric)  # rank 0's file work is waited for on it: made by every rank before training
     try:
         return run.run()
     except Preempted as preempted:

@@ -95,7 +95,7 @@ class TrainingRun:
                 clear_stored_embeddings(trainer.corpus)
                 context_stack.callback(clear_stored_embeddings, trainer.corpus)
             parameters = self.set_up()
-            if self.chunks_on_out_of_memory is not None:
+            if self.chunks_on_out_of_memory is not None:  # its hooks leave the parameters when the run ends
                 context_stack.callback(self.chunks_on_out_of_memory.close)
             trainer.dispatch("after_setup", **parameters)
             log_setup(
@@ -296,8 +296,7 @@ class TrainingRun:
         return train_loss, lr_info
 
     def metric_step(self, epoch: int) -> int:
-        """The step a train loss or an evaluation is recorded at: flair's epoch, or with ``val_check_interval`` the
-        optimizer step (so that evaluations inside and at the end of epochs lie on one axis)."""
+        """The step losses and evaluations are recorded at: the epoch, or the step with ``val_check_interval``."""
         return epoch if self.evaluation_interval is None else self.progress.batch_count
 
     def _batches_of(self, epoch: int, epoch_loss: LossTracker) -> EpochBatches:
@@ -328,8 +327,7 @@ class TrainingRun:
         return plan
 
     def shuffles(self, epoch: int) -> bool:
-        """Whether ``epoch``'s order is shuffled: flair's ``shuffle``, except a first epoch with
-        ``shuffle_first_epoch=False`` (and never with a sampler)."""
+        """Whether ``epoch`` is shuffled: flair's ``shuffle``, not in a first epoch if ``shuffle_first_epoch=False``."""
         return self.data.shuffle and not (not self.flair_arguments.shuffle_first_epoch and epoch == 1)
 
     # --- model files --------------------------------------------------------------------------------------------
