@@ -2,7 +2,7 @@
 
 all-MiniLM-L6-v2 fine-tuned on TREC questions by ``FabricTrainer`` on 2 CPU processes (DDP, forked workers), the
 same run with flair's default ``mini_batch_chunk_size=None`` (DDP synchronises in the backward pass) and with
-``"auto"`` (no DDP collective in a pass, flair-fabric's gradient average during the last backward pass, one
+``"auto"`` (no DDP collective in a pass, flair-fabric's gradient sum during the last backward pass, one
 agreement on the host per step).
 The runs alternate (plain, auto, plain, auto, ...) so that the machine's drift falls on both; a plugin on global
 rank 0 notes when each step ends, and the median step time of each mode (first steps of each run left out) is

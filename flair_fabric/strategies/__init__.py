@@ -116,7 +116,7 @@ def every_parameter_learns(strategy: str | Strategy) -> None:
 
 def no_pass_synchronises(strategy: str | Strategy) -> None:
     """Tell DDP that no forward or backward pass synchronises (``mini_batch_chunk_size="auto"``: the gradients are
-    averaged by flair-fabric): no search for unused parameters, no buffer broadcast in a forward pass."""
+    summed by flair-fabric): no search for unused parameters, no buffer broadcast in a forward pass."""
     if isinstance(strategy, FlairDDPStrategy):
         every_parameter_learns(strategy)
         strategy.passes_synchronise = False

@@ -136,7 +136,7 @@ class DataParallel(TrainingStrategy):
         super().check_run(reduces_vocabulary=reduces_vocabulary, mini_batch_chunk_size=mini_batch_chunk_size)
         if mini_batch_chunk_size == "auto" and self.compresses_gradients:
             raise ValueError(
-                "mini_batch_chunk_size='auto' averages the gradients itself after every rank's passes fitted, so"
+                "mini_batch_chunk_size='auto' sums the ranks' gradients itself, outside DDP's communication, so"
                 " DDP's gradient_compression hook would never run: pass a fixed mini_batch_chunk_size with"
                 " gradient_compression, or leave compression off."
             )

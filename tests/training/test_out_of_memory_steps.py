@@ -302,7 +302,7 @@ def test_two_ranks_retry_a_transformer_whose_forward_pass_broadcasts_buffers(tmp
     rank 1 runs out of memory after that start, rank 0 does not: the retry must not leave one rank in a broadcast.
     The run ends with flair's weights on one process and the union of the batches (BERT's pooler, which no pass
     reaches, unchanged by AdamW's weight decay as in flair). When the run is over, no rank's parameters keep the
-    gradient average's hooks (which would keep its buffers, a model's worth of gradients, alive)."""
+    gradient sum's hooks (which would keep its buffers, a model's worth of gradients, alive)."""
     corpus = small_trec(train_size=16)
     bert = make_tiny_bert(tmp_path / "bert", corpus)
     model, reference = tiny_transformer_classifier(corpus, bert), tiny_transformer_classifier(corpus, bert)
@@ -358,7 +358,7 @@ STALLED = timedelta(seconds=20)  # a run that was not refused and left a rank wa
                 "mini_batch_chunk_size": "auto",
                 "strategy": FlairDDPStrategy(start_method="fork", gradient_compression="fp16", timeout=STALLED),
             },
-            r"mini_batch_chunk_size='auto' averages the gradients itself.*gradient_compression",
+            r"mini_batch_chunk_size='auto' sums the ranks' gradients itself.*gradient_compression",
         ),
     ],
     ids=["a-word", "zero", "fsdp", "compression"],
