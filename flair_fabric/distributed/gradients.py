@@ -48,7 +48,6 @@ class OverlappedSum:
 
     def _set_order(self, order: list[int]) -> None:
         """Send in ``order``, in DDP's buckets: consecutive gradients together up to the bucket size."""
-        self.order = order
         self.groups: list[list[int]] = []
         size = 0
         for index in order:

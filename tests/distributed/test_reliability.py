@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.util
 import os
 import re
 import signal
@@ -19,9 +20,19 @@ import torch
 from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer
+from flair_fabric.distributed.stalls import wait_for_global_zero
+from flair_fabric.launch.config import make_launch_config
 
 from ..plugin_support import FailAt
-from ..support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
+from ..support import (
+    REPO,
+    SCRIPTS,
+    run_on_ranks,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    write_config,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -249,3 +260,39 @@ def test_work_of_rank_zero_alone_does_not_trip_the_collective_timeout(tmp_path: 
         raise
     assert "evaluating on global rank 0 only" in (tmp_path / "training.log").read_text()
     assert (tmp_path / "test.tsv").is_file()
+
+
+# --- the runner's process groups: made before every job, ended after it in workers ------------------------------------
+
+
+def _rank_0_fails_before_rank_1_waits_for_its_file_work(fabric: Any, argument: None) -> None:
+    if fabric.global_rank == 0:
+        raise RuntimeError("rank 0 failed before its first file work")
+    wait_for_global_zero(fabric)
+
+
+def test_a_job_whose_rank_0_fails_at_once_does_not_leave_the_others_waiting_half_a_minute() -> None:
+    """Every job makes the gloo group that rank 0's file work is waited for on before the job starts: rank 1 then waits
+    in a barrier that ends when rank 0's sockets close, not in the group's making, where nothing ends it until torch's
+    launcher kills it 30 s after rank 0 failed (it holds SIGTERM)."""
+    config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None)
+    started = time.monotonic()
+    with pytest.raises(Exception, match="rank 0 failed before its first file work"):
+        run_on_ranks(config, _rank_0_fails_before_rank_1_waits_for_its_file_work, None)
+    assert time.monotonic() - started < 20, "rank 1 sat in the making of the group until it was killed"
+
+
+def _note_the_process_group_when_the_worker_ends(fabric: Any, folder: Path) -> None:
+    rank = fabric.global_rank
+
+    def note() -> None:  # (multiprocessing runs it as the worker process ends, after the runner's code)
+        (folder / f"rank-{rank}.txt").write_text(str(torch.distributed.is_initialized()))
+
+    multiprocessing.util.Finalize(None, note, exitpriority=100)
+
+
+def test_a_worker_ends_its_process_groups_when_its_job_is_done(tmp_path: Path) -> None:
+    """reliability.md: gloo's threads must not outlive a worker's Python (they can abort its finalization)."""
+    config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None)
+    run_on_ranks(config, _note_the_process_group_when_the_worker_ends, tmp_path)
+    assert [(tmp_path / f"rank-{rank}.txt").read_text() for rank in (0, 1)] == ["False", "False"]
