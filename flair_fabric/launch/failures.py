@@ -65,9 +65,11 @@ def exit_with_parent(poll_seconds: float = 1.0) -> None:
 
 FORWARDED_SIGNAL = signal.SIGUSR2
 """What the caller of spawned or forked workers sends them when it is interrupted itself (a notebook kernel gets
-Ctrl-C alone): a SIGINT that a worker which got the SIGINT itself (sent to the whole process group) ignores."""
+Ctrl-C alone): a SIGINT that never counts as a second one, since a worker in a terminal gets both for one Ctrl-C (the
+terminal sends it to the whole process group), in either order."""
 
 _received: list[str] = []  # the signals this process got since its outermost graceful block began
+_received_directly: list[str] = []  # those of them not passed on by the caller (FORWARDED_SIGNAL)
 _preempted: list[str] = []  # the preemption signal this process got since then
 _preemption_signals: set[int] = set()  # the signals that mean "checkpoint, then end for a requeue"
 Consumer = tuple[Callable[[str], None], Callable[[str], None] | None]
@@ -81,15 +83,19 @@ def _handle(signum: int, frame: Any) -> None:
             if _consumers and _consumers[-1][1] is not None:
                 _consumers[-1][1](_preempted[0])
         return
+    # One Ctrl-C in a terminal reaches a worker twice: itself (sent to the whole process group) and passed on by its
+    # caller. Either may be handled first (both pending at once run nested, the later one inside the earlier one), so
+    # only a second signal that reached this process itself stops it at once.
     forwarded = signum == FORWARDED_SIGNAL
-    name = "SIGINT" if forwarded else signal.Signals(signum).name
+    if not forwarded:
+        if _received_directly:
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received a second time")
+        _received_directly.append(signal.Signals(signum).name)
     if _received:
-        if forwarded:
-            return  # the caller passing on the Ctrl-C this process got already
-        raise KeyboardInterrupt(f"{name} received a second time")
-    _received.append(name)
+        return  # the same Ctrl-C, already told
+    _received.append(_received_directly[0] if _received_directly else "SIGINT")
     if _consumers:
-        _consumers[-1][0](name)
+        _consumers[-1][0](_received[0])
 
 
 def forget_inherited_interrupts() -> None:
@@ -137,6 +143,7 @@ def graceful_interrupts(
             _preemption_signals.discard(int(preemption_signal))  # type: ignore[arg-type]
         if outermost:
             _received.clear()
+            _received_directly.clear()
             _preempted.clear()
         for number, handler in previous.items():
             if outermost or handler is not _handle:

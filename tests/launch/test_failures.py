@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flair_fabric.launch.failures import graceful_interrupts, stop_started_processes
+from flair_fabric.launch.failures import FORWARDED_SIGNAL, graceful_interrupts, stop_started_processes
 
 ORPHAN = """
 import os, subprocess, sys, time
@@ -71,6 +71,30 @@ def test_the_first_signal_is_held_the_second_one_interrupts(signal_number: signa
         time.sleep(1)
     assert signal.getsignal(signal_number) is not_held, "the previous handler is back after the block"
     signal.signal(signal_number, before)
+
+
+@pytest.mark.parametrize("arrival", ["passed on first", "both at once"])
+def test_one_ctrl_c_that_reaches_a_worker_itself_and_passed_on_is_held_once(arrival: str) -> None:
+    """A Ctrl-C in a terminal reaches a worker itself and, passed on by its caller, as FORWARDED_SIGNAL; the worker
+    may handle either first (under load both are pending at once, and one handler runs inside the other). Only a
+    second Ctrl-C stops it at once: otherwise one rank stops alone and the others wait for it forever."""
+    received: list[str] = []
+    held = False
+    ctrl_c = {signal.SIGINT, FORWARDED_SIGNAL}
+    with pytest.raises(KeyboardInterrupt, match="SIGINT received a second time"), graceful_interrupts(received.append):
+        if arrival == "both at once":
+            signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
+        os.kill(os.getpid(), FORWARDED_SIGNAL)
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, ctrl_c)
+        time.sleep(0.1)
+        held = received == ["SIGINT"]
+        os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C again
+        time.sleep(1)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, ctrl_c)
+    assert held, f"one Ctrl-C is told once and held, not taken for a second one (told: {received})"
 
 
 def test_a_signal_held_by_an_outer_block_is_told_to_a_block_that_begins_later() -> None:
