@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,demo]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
+# Two pytest-xdist workers: the tests' own processes leave a 2-core machine half idle on one (docs/testing.md).
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist worksteal
+
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest -q -m "not multiprocess"
+	$(PYTEST) -m "not multiprocess"
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python examples/demo_trec.py

@@ -15,6 +15,16 @@ os.environ.pop("LOCAL_RANK", None)
 from .support import ANNEALED, UNION, run_script, write_config
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """``make test`` runs the tests in 2 pytest-xdist workers on 2 cores: each computes on one CPU thread, as torch's
+    DataLoader workers do (two pools of 2 OpenMP threads on 2 cores wait for each other's threads). The processes a
+    test starts keep torch's default."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def no_relaunch_of_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside pytest, Lightning's script relaunch would start pytest itself again, once per extra rank (and each copy

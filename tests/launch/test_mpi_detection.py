@@ -98,12 +98,12 @@ def test_an_mpi_launched_process_still_gets_lightnings_mpi_environment(tmp_path:
     """Started by mpirun (its variables set, MPI working): the choice is Fabric's own, MPIEnvironment."""
     site = _fake_mpi4py(tmp_path / "site")
     code = """
+        import os
         from flair_fabric.launch.environment import cluster_environment
-        print(type(cluster_environment()).__name__)
+        print("plain", type(cluster_environment()).__name__)  # MPI initialised here would end the process
+        os.environ.update(OMPI_COMM_WORLD_SIZE="2", FAKE_MPI_SIZE="2")  # what mpirun sets; MPI now starts
+        print("launched", type(cluster_environment()).__name__)
         """
-    launched = _run(code, site, OMPI_COMM_WORLD_SIZE="2", FAKE_MPI_SIZE="2")
-    assert launched.returncode == 0, launched.stderr[-2000:]
-    assert launched.stdout.split()[-1] == "MPIEnvironment"
-    plain = _run(code, site)
-    assert plain.returncode == 0, plain.stderr[-2000:]
-    assert plain.stdout.split()[-1] == "LightningEnvironment"
+    completed = _run(code, site)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.splitlines()[-2:] == ["plain LightningEnvironment", "launched MPIEnvironment"]
