@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -166,24 +167,21 @@ class FailAt(TrainerPlugin):
         raise RuntimeError(f"injected failure on rank {self.rank} in epoch {epoch}")
 
 
-def listening_sockets_of_process_group() -> list[tuple[int, str]]:
-    """Every listening TCP socket (IPv4 and IPv6) held by a process of this process's group: (pid, local address),
-    from /proc/net/tcp{,6} matched with the sockets in /proc/<pid>/fd."""
+def listening_sockets_of_job() -> list[tuple[int, str]]:
+    """Every listening TCP socket (IPv4 and IPv6) held by a process of this job: (pid, local address), from
+    /proc/net/tcp{,6} matched with the sockets in /proc/<pid>/fd. The job is the process that started it (this one, or
+    the parent of a spawned or forked worker) and everything below it; not the process group, which under pytest-xdist
+    holds the other worker's tests too."""
     listening: dict[str, str] = {}
     for table, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A":  # LISTEN
                 listening[fields[9]] = _address(fields[1], family)
-    group = os.getpgrp()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in _job_processes():
         try:
-            if os.getpgid(int(entry.name)) != group:
-                continue
-            descriptors = list((entry / "fd").iterdir())
+            descriptors = list(Path(f"/proc/{pid}/fd").iterdir())
         except OSError:
             continue
         for descriptor in descriptors:
@@ -192,8 +190,29 @@ def listening_sockets_of_process_group() -> list[tuple[int, str]]:
             except OSError:  # closed meanwhile (e.g. the one listing this folder)
                 continue
             if link.startswith("socket:[") and link[8:-1] in listening:
-                found.append((int(entry.name), listening[link[8:-1]]))
+                found.append((pid, listening[link[8:-1]]))
     return found
+
+
+def _job_processes() -> list[int]:
+    """The process that started this job and all its descendants (from the parent ids in /proc/<pid>/stat)."""
+    root = os.getppid() if multiprocessing.parent_process() is not None else os.getpid()
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (name) state"
+        children.setdefault(parent, []).append(int(entry.name))
+    job, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        job.append(pid)
+        pending.extend(children.get(pid, []))
+    return job
 
 
 def _address(hex_address: str, family: int) -> str:
@@ -216,4 +235,4 @@ class ListeningSockets(TrainerPlugin):
     def after_training_epoch(self, epoch: int, **kw: Any) -> None:
         if epoch == 1 and self.trainer.is_global_zero:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "listening.json").write_text(json.dumps(listening_sockets_of_process_group()))
+            (self.out / "listening.json").write_text(json.dumps(listening_sockets_of_job()))

@@ -26,7 +26,7 @@ from flair_fabric.launch.config import make_launch_config
 from flair_fabric.launch.rendezvous import loopback_interface_only, loopback_rendezvous, torchrun_rendezvous
 from flair_fabric.state.safe_loading import UnsafeFile, as_plain_data, checked_load, save_private
 
-from ..plugin_support import listening_sockets_of_process_group
+from ..plugin_support import listening_sockets_of_job
 from ..support import run_on_ranks, small_trec, tiny_text_classifier
 
 
@@ -152,7 +152,7 @@ def torchrun_agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[TCPStore, 
 
 
 def _listening_on(port: int) -> list[str]:
-    return [address for pid, address in listening_sockets_of_process_group() if address.endswith(f":{port}")]
+    return [address for pid, address in listening_sockets_of_job() if address.endswith(f":{port}")]
 
 
 def test_one_node_torchrun_rank_0_hosts_the_attempts_store_on_loopback(torchrun_agent: tuple[TCPStore, str]) -> None:
@@ -187,7 +187,7 @@ def _what_the_ranks_would_see(config: Any, monkeypatch: pytest.MonkeyPatch) -> d
 
     def launch(fabric: Any, function: Any) -> None:
         seen.update({name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT", *IFNAMES)})
-        seen["listening"] = [address for pid, address in listening_sockets_of_process_group() if pid == os.getpid()]
+        seen["listening"] = [address for pid, address in listening_sockets_of_job() if pid == os.getpid()]
 
     monkeypatch.setattr(Fabric, "launch", launch)
     run_on_ranks(config, lambda rank_fabric, argument: None, None)
@@ -213,7 +213,7 @@ def test_a_run_over_several_machines_uses_the_addresses_given(monkeypatch: pytes
         monkeypatch.setenv(name, value)
     for name in IFNAMES:
         monkeypatch.delenv(name, raising=False)
-    before = [address for pid, address in listening_sockets_of_process_group() if pid == os.getpid()]
+    before = [address for pid, address in listening_sockets_of_job() if pid == os.getpid()]
     config = make_launch_config(
         accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", precision=None, use_amp=False
     )

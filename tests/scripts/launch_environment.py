@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer
-from tests.plugin_support import listening_sockets_of_process_group
+from tests.plugin_support import listening_sockets_of_job
 from tests.support import small_trec, tiny_text_classifier
 
 VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
@@ -33,7 +33,7 @@ class WhatTheRankRunsWith(TrainerPlugin):
         seen = {
             "pid": os.getpid(),
             "environment": {name: os.environ.get(name) for name in VARIABLES},
-            "listening": [address for pid, address in listening_sockets_of_process_group() if pid == os.getpid()],
+            "listening": [address for pid, address in listening_sockets_of_job() if pid == os.getpid()],
         }
         (self.out / f"environment-rank{self.trainer.global_rank}.json").write_text(json.dumps(seen))
 
