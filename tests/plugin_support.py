@@ -16,6 +16,8 @@ from flair.trainers.plugins import TrainerPlugin, TrainingInterrupt
 
 from flair_fabric import rank_zero_only
 
+from .support import processes
+
 
 class StepRecorder(TrainerPlugin):
     """On every rank: learning rate after each step, the train/batch_loss records, the epochs that ended; written
@@ -195,18 +197,11 @@ def listening_sockets_of_job() -> list[tuple[int, str]]:
 
 
 def _job_processes() -> list[int]:
-    """The process that started this job and all its descendants (from the parent ids in /proc/<pid>/stat)."""
+    """The process that started this job and all its descendants."""
     root = os.getppid() if multiprocessing.parent_process() is not None else os.getpid()
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (name) state"
-        children.setdefault(parent, []).append(int(entry.name))
+    for process in processes():
+        children.setdefault(process.parent, []).append(process.pid)
     job, pending = [], [root]
     while pending:
         pid = pending.pop()

@@ -203,6 +203,27 @@ def state_dict_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
     return max((a[key].float() - b[key].float()).abs().max().item() for key in a)
 
 
+class ProcessInfo(typing.NamedTuple):
+    """One line of ``/proc/<pid>/stat``, the fields the tests read."""
+
+    pid: int
+    state: str  # "Z": a zombie
+    parent: int
+    group: int
+
+
+def processes() -> list[ProcessInfo]:
+    """Every process of this machine's process table (from /proc; processes that end meanwhile are left out)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": the name may hold spaces
+        except OSError:
+            continue
+        found.append(ProcessInfo(int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
 def run_script(
     script: str,
     *args: str,

@@ -69,7 +69,7 @@ Ctrl-C alone): a SIGINT that never counts as a second one, since a worker in a t
 terminal sends it to the whole process group), in either order."""
 
 _received: list[str] = []  # the signals this process got since its outermost graceful block began
-_received_directly: list[str] = []  # those of them not passed on by the caller (FORWARDED_SIGNAL)
+_received_directly: list[str] = []  # the signals that reached this process itself (not FORWARDED_SIGNAL) since then
 _preempted: list[str] = []  # the preemption signal this process got since then
 _preemption_signals: set[int] = set()  # the signals that mean "checkpoint, then end for a requeue"
 Consumer = tuple[Callable[[str], None], Callable[[str], None] | None]
@@ -87,15 +87,16 @@ def _handle(signum: int, frame: Any) -> None:
     # caller. Either may be handled first (both pending at once run nested, the later one inside the earlier one), so
     # only a second signal that reached this process itself stops it at once.
     forwarded = signum == FORWARDED_SIGNAL
+    name = "SIGINT" if forwarded else signal.Signals(signum).name
     if not forwarded:
         if _received_directly:
-            raise KeyboardInterrupt(f"{signal.Signals(signum).name} received a second time")
-        _received_directly.append(signal.Signals(signum).name)
+            raise KeyboardInterrupt(f"{name} received a second time")
+        _received_directly.append(name)
     if _received:
         return  # the same Ctrl-C, already told
-    _received.append(_received_directly[0] if _received_directly else "SIGINT")
+    _received.append(name)
     if _consumers:
-        _consumers[-1][0](_received[0])
+        _consumers[-1][0](name)
 
 
 def forget_inherited_interrupts() -> None:

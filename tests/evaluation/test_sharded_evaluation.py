@@ -41,6 +41,7 @@ from ..support import (
     SCRIPTS,
     CountingSequenceTagger,
     CountingTextClassifier,
+    processes,
     run_on_ranks,
     small_trec,
     small_wnut,
@@ -386,14 +387,8 @@ def test_public_evaluate_with_the_script_relaunch_ends_the_job_when_a_rank_raise
 
 
 def _group_members(group: int) -> set[int]:
-    """The live processes of process group ``group`` (from /proc; zombies do not count)."""
-    members = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == group and fields[0] != "Z":
-                members.add(int(stat.parent.name))
-    return members
+    """The live processes of process group ``group`` (zombies do not count)."""
+    return {process.pid for process in processes() if process.group == group and process.state != "Z"}
 
 
 class _BatchSizeRecorder(TextClassifier):

@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from ..support import REPO
+from ..support import REPO, processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -129,16 +129,7 @@ def kernel() -> Iterator[tuple[KernelManager, Any]]:
 
 def _children_of(pid: int) -> list[str]:
     """The processes whose parent is ``pid`` (zombies included), as "pid state"."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(f"{entry.name} {fields[0]}")
-    return children
+    return [f"{process.pid} {process.state}" for process in processes() if process.parent == pid]
 
 
 def _wait_for_output(client: Any, text: str, timeout: float) -> None:
