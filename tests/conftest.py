@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before flair and transformers ar
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("LOCAL_RANK", None)
 
-from .support import ANNEALED, UNION, run_script, write_config
+from .support import ANNEALED, UNION, RunCrashed, RunHung, run_script, write_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,14 +30,14 @@ def no_relaunch_of_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside pytest, Lightning's script relaunch would start pytest itself again, once per extra rank (and each copy
     again...): a test that trains on several processes in its own process uses forked or spawned workers; scripts
     that use the relaunch run in their own interpreter (``run_script``). A test whose refusal did not happen fails
-    here instead of starting copies of the test session."""
+    here (a crash, not a catch) instead of starting copies of the test session."""
     from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     launch = _SubprocessScriptLauncher.launch
 
     def refuse_copies(self: _SubprocessScriptLauncher, function: Any, *args: Any, **kwargs: Any) -> Any:
         if self.num_processes > 1 and not self.cluster_environment.creates_processes_externally:
-            raise AssertionError("a test tried to relaunch pytest as its other ranks: use strategy='ddp_fork'")
+            raise RunCrashed("a test tried to relaunch pytest as its other ranks: use strategy='ddp_fork'")
         return launch(self, function, *args, **kwargs)  # one process (DDP at world size 1): nothing is started
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "launch", refuse_copies)
@@ -73,10 +73,17 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --- the mutation check (tests/mutation_check.py) -------------------------------------------------------------------
-# FLAIR_FABRIC_VERDICT=<file>: the first test that fails on an assertion or an expected error (pytest.raises that did
-# not raise, pytest.fail) ends the session and is written to <file>; other failures (a crash in the mutated code, a
-# collection error) do not count and the session goes on. A timeout counts only with FLAIR_FABRIC_HANG_COUNTS=1.
+# FLAIR_FABRIC_VERDICT=<file>: every failing test is written to <file> with the kind of its failure; the first that
+# counts (an assertion of the tests' own code, an expected error: pytest.raises that did not raise, or a pytest.fail of
+# a test) ends the session. A crash (an error from the code under test or from a process the test started, a fixture
+# error, a collection error) does not count and the session goes on. A timeout counts only with
+# FLAIR_FABRIC_HANG_COUNTS=1 (the claims about hanging).
 # FLAIR_FABRIC_TESTS_FIRST=<id>,<id>: run these tests (node ids or their prefixes) first, the rest in their order.
+
+TESTS = Path(__file__).resolve().parent
+# code that raises AssertionError on a test's behalf (pytest.raises' match, pytest.approx in an assert)
+ASSERTING_LIBRARIES = ("/_pytest/", "/pluggy/", "/torch/testing/", "/numpy/testing/")
+COUNTED_KINDS = ("assertion", "expected error")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -89,16 +96,31 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         items.sort(key=lambda item: rank[id(item)])  # stable: the rest keep their order
 
 
-def _counts(excinfo: pytest.ExceptionInfo) -> str | None:
-    """What kind of failure this is, if it counts as catching a deliberate bug."""
-    message = str(excinfo.value)
+def raised_in_test_code(excinfo: pytest.ExceptionInfo) -> bool:
+    """Whether the innermost frame of the traceback that is not pytest's or an assertion library's lies in tests/."""
+    for entry in reversed(excinfo.traceback):
+        path = str(entry.path)
+        if not any(library in path for library in ASSERTING_LIBRARIES):
+            return Path(path).resolve().is_relative_to(TESTS)
+    return False
+
+
+def failure_kind(excinfo: pytest.ExceptionInfo, when: str) -> str:
+    """What a test's failure is: ``assertion`` (an assert of the tests' own code), ``expected error`` (pytest.raises
+    that did not raise, a pytest.fail of a test), ``timeout`` (pytest-timeout, or a process that did not end:
+    :class:`~tests.support.RunHung`) or ``crashed`` (anything else: an error of the code under test or of a process
+    the test started, :class:`~tests.support.RunCrashed`, an error in a fixture)."""
+    if excinfo.errisinstance(RunHung) or (
+        excinfo.errisinstance(pytest.fail.Exception) and str(excinfo.value).startswith("Timeout")
+    ):
+        return "timeout"
+    if when != "call":
+        return "crashed"
     if excinfo.errisinstance(pytest.fail.Exception):
-        if message.startswith("Timeout"):
-            return "timeout" if os.environ.get("FLAIR_FABRIC_HANG_COUNTS") == "1" else None
-        return "expected error"  # DID NOT RAISE, pytest.fail
-    if excinfo.errisinstance(AssertionError):
+        return "expected error"
+    if excinfo.errisinstance(AssertionError) and raised_in_test_code(excinfo):
         return "assertion"
-    return None
+    return "crashed"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -108,9 +130,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     report = outcome.get_result()
     if not verdict or not report.failed or call.excinfo is None:
         return
-    kind = _counts(call.excinfo) if report.when == "call" else None
-    record = {"test": item.nodeid, "kind": kind, "message": (str(call.excinfo.value).splitlines() or [""])[0][:300]}
+    kind = failure_kind(call.excinfo, report.when)
+    counts = kind in COUNTED_KINDS or (kind == "timeout" and os.environ.get("FLAIR_FABRIC_HANG_COUNTS") == "1")
+    message = f"{call.excinfo.typename}: {(str(call.excinfo.value).splitlines() or [''])[0]}"[:300]
+    record = {"test": item.nodeid, "kind": kind, "counts": counts, "message": message}
     with open(verdict, "a", encoding="utf-8") as stream:
         stream.write(json.dumps(record) + "\n")
-    if kind is not None:
+    if counts:
         item.session.shouldstop = f"caught by {item.nodeid} ({kind})"

@@ -1,24 +1,31 @@
-"""The mutation check (``make mutation-check``): plant each deliberate bug of ``tests/mutations.toml`` in a copy of the
-repository, one at a time, and run the test folders that hold the tests of the claim it breaks; report caught or
-survived.
+"""The mutation check (``make mutation-check``): plant each deliberate bug of ``tests/mutations/*.toml`` in a copy of
+the repository, one at a time, and run the test folders that hold the tests of the claim it breaks; report caught,
+crashed or survived.
 
 Every claim a user may rely on is a row of the claim inventory, ``docs/claims.md`` (its id, the sentence, the tests
 that guard it). Every row has at least one deliberate bug, written from the claim's sentence, and a bug is run
 against the *folders* of the claim's tests (the whole folder, not one chosen test: an outside audit plants bugs
-nobody listed and runs folders). A bug counts as caught only when a test fails on an assertion or an expected error
-(``pytest.raises`` that did not raise): a crash in the mutated code or a collection error does not count, and a
-timeout counts only where the claim is about hanging (``hangs=True``). The claim's own tests run first (or the test
-that caught the bug last time), then the rest of the folders: the verdict is the folders', only sooner. The first test
-that catches a bug is printed.
-``tests/test_claims.py`` keeps the inventory and this list in step.
+nobody listed and runs folders). A bug is **caught** only when a test fails on an assertion of the tests' own code or
+on an error it expected (``pytest.raises`` that did not raise, a ``pytest.fail`` of a test); a timeout counts only
+where the claim is about hanging (``hangs = true``). A bug that only made tests **crash** (an error of the mutated
+code, a process that exited with an error, a fixture error) is not caught: it shows in the results' "crashed" column.
+``tests/conftest.py`` tells the kinds apart. The claim's own tests run first (or the test that caught the bug last
+time), then the rest of the folders: the verdict is the folders', only sooner. ``tests/test_claims.py`` keeps the
+inventory and this list in step.
 
-    python tests/mutation_check.py                  # every bug; results in benchmarks/results/mutation_check.*
-    python tests/mutation_check.py predict resume   # the bugs whose name or claim id contains a word
-    python tests/mutation_check.py --from 120       # the bugs from the 120th on (a long check in parts)
+Every run writes its verdicts into ``benchmarks/results/mutation_check.{json,md}`` (each bug's latest verdict, with
+the commit it ran on), so a check may run in parts:
+
+    python tests/mutation_check.py                   # every bug
+    python tests/mutation_check.py predict resume    # the bugs whose name or claim id contains a word
+    python tests/mutation_check.py --from 120        # the bugs from the 120th on
+    python tests/mutation_check.py --not-caught      # the bugs whose latest verdict is not "caught", or not run
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
 import json
 import os
 import re
@@ -35,6 +42,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 INVENTORY = REPO / "docs" / "claims.md"
+MUTATIONS_FOLDER = Path(__file__).with_name("mutations")
 TIMEOUT_PER_TEST = 300
 TIMEOUT_PER_BUG = 2400
 
@@ -84,12 +92,9 @@ def read_inventory(path: Path = INVENTORY) -> dict[str, Claim]:
     return claims
 
 
-MUTATIONS_FILE = Path(__file__).with_name("mutations.toml")
-
-
-def read_mutations(path: Path = MUTATIONS_FILE) -> list[Mutation]:
-    """The deliberate bugs of ``tests/mutations.toml``."""
-    listed = tomllib.loads(path.read_text(encoding="utf-8"))["mutation"]
+def read_mutations(folder: Path = MUTATIONS_FOLDER) -> list[Mutation]:
+    """The deliberate bugs of ``tests/mutations/*.toml`` (one file per docs page), in file order."""
+    listed = [each for path in sorted(folder.glob("*.toml")) for each in tomllib.loads(path.read_text())["mutation"]]
     return [
         Mutation(
             each["name"],
@@ -121,15 +126,6 @@ def apply(root: Path, mutation: Mutation) -> None:
         path.write_text(source.replace(text, replacement))
 
 
-def _previous_results() -> dict[str, dict]:
-    path = RESULTS / "mutation_check.json"
-    if not path.is_file():
-        return {}
-    results = json.loads(path.read_text())
-    rows = results["rows"] if isinstance(results, dict) else results  # a check in parts also lists the bugs not run
-    return {row["mutation"]: row for row in rows}
-
-
 def check(mutation: Mutation, claim: Claim, hint: str | None) -> dict:
     """Run the claim's test folders against the mutated copy; the row of the results."""
     with tempfile.TemporaryDirectory(prefix="flair-fabric-mutation-") as folder:
@@ -157,64 +153,113 @@ def check(mutation: Mutation, claim: Claim, hint: str | None) -> dict:
             timed_out = True
         seconds = time.monotonic() - started
         failures = [json.loads(line) for line in verdict.read_text().splitlines()] if verdict.is_file() else []
-    counted = [failure for failure in failures if failure["kind"] is not None]
+    counted = [failure for failure in failures if failure["counts"]]
     caught_by = counted[0] if counted else None
     if caught_by is None and timed_out and mutation.hangs:
         caught_by = {"test": f"(the folders did not end within {TIMEOUT_PER_BUG} s)", "kind": "timeout", "message": ""}
-    not_counted = [f"{failure['test']}: {failure['message']}" for failure in failures if failure["kind"] is None]
+    crashes = [failure for failure in failures if not failure["counts"]]
     return {
         "mutation": mutation.name,
         "claim": claim.id,
         "tests": claim.folders,
-        "caught": caught_by is not None,
+        "verdict": "caught" if caught_by else "crashed" if crashes or timed_out else "survived",
         "caught_by": caught_by["test"] if caught_by else None,
         "kind": caught_by["kind"] if caught_by else None,
         "message": caught_by["message"] if caught_by else None,
-        "failures_not_counted": not_counted[:5],
+        "crashed": [f"{crash['test']} ({crash['kind']}): {crash['message']}" for crash in crashes[:5]],
         "seconds": round(seconds),
     }
 
 
-def run(selected: list[str]) -> int:
-    """Run the mutations whose name or claim id contains one of ``selected`` (all if empty); 0 if every one was
-    caught."""
-    claims = read_inventory()
-    previous = _previous_results()
-    rows = []
-    started = time.monotonic()
-    for mutation in MUTATIONS:
-        if selected and not any(word in mutation.name or word in mutation.claim for word in selected):
-            continue
-        # first the test that caught it last time, else the claim's own tests; then the rest of the folders
-        hint = (previous.get(mutation.name) or {}).get("caught_by") or ",".join(claims[mutation.claim].tests)
-        row = check(mutation, claims[mutation.claim], hint)
-        rows.append(row)
-        status = "caught  " if row["caught"] else "SURVIVED"
-        by = f"by {row['caught_by']} ({row['kind']})" if row["caught"] else f"in {' '.join(row['tests'])}"
-        print(f"{status} {row['seconds']:5d} s  {mutation.name} [{mutation.claim}] {by}", flush=True)
-        for failure in row["failures_not_counted"]:
-            print(f"           not counted: {failure}", flush=True)
-    caught = sum(row["caught"] for row in rows)
-    total = round(time.monotonic() - started)
-    print(f"\n{caught} of {len(rows)} deliberate bugs caught, {len(claims)} claims, {total} s")
-    if not selected:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "mutation_check.json").write_text(json.dumps(rows, indent=2) + "\n")
-        table = ["| deliberate bug | claim | caught by | seconds |", "|---|---|---|---|"]
-        table += [
-            f"| {r['mutation']} | `{r['claim']}` | {r['caught_by'] or '**survived**'} | {r['seconds']} |" for r in rows
-        ]
-        (RESULTS / "mutation_check.md").write_text(
-            f"# Mutation check: {caught} of {len(rows)} deliberate bugs caught\n\n"
-            f"{len(claims)} claims (docs/claims.md); each bug run against the test folders of its claim; {total} s"
-            " in all.\n\n" + "\n".join(table) + "\n"
+def _code_version() -> str:
+    """The commit the check runs on, marked when the package or the tests differ from it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    changed = subprocess.run(
+        ["git", "status", "--porcelain", "flair_fabric", "tests"], cwd=REPO, capture_output=True, text=True
+    )
+    return commit.stdout.strip() + (" (with uncommitted changes)" if changed.stdout.strip() else "")
+
+
+def previous_results() -> dict[str, dict]:
+    """Each bug's latest verdict, by name."""
+    path = RESULTS / "mutation_check.json"
+    if not path.is_file():
+        return {}
+    return {row["mutation"]: row for row in json.loads(path.read_text())["rows"]}
+
+
+def write_results(rows: dict[str, dict], claims: int) -> str:
+    """Write each listed bug's latest verdict to benchmarks/results/mutation_check.{json,md}; the summary line."""
+    listed = [rows[m.name] for m in MUTATIONS if m.name in rows]
+    not_run = [m.name for m in MUTATIONS if m.name not in rows]
+    verdicts = collections.Counter(row["verdict"] for row in listed)
+    others = "".join(f", {count} {verdict}" for verdict, count in verdicts.items() if verdict != "caught")
+    summary = (
+        f"{verdicts['caught']} of {len(MUTATIONS)} deliberate bugs caught{others}, {len(not_run)} not run"
+        f" ({claims} claims)"
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "mutation_check.json").write_text(json.dumps({"rows": listed, "not_run": not_run}, indent=2) + "\n")
+    table = [
+        "| deliberate bug | claim | caught by | kind | crashed | seconds | ran on |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in listed:
+        crashed = "<br>".join(crash.replace("|", "/") for crash in row["crashed"]) if row["verdict"] != "caught" else ""
+        caught_by = row["caught_by"] or f"**{row['verdict']}**"
+        table.append(
+            f"| {row['mutation']} | `{row['claim']}` | {caught_by} | {row['kind'] or ''} | {crashed} "
+            f"| {row['seconds']} | {row['ran_on']} |"
         )
-    return 0 if caught == len(rows) else 1
+    (RESULTS / "mutation_check.md").write_text(
+        f"# Mutation check: {summary}\n\nEach bug's latest verdict, run against the test folders of its claim, with the"
+        " code it ran on. Caught: a test failed on an assertion of its own or an expected error (a timeout only for"
+        " the claims about hanging). Crashed: tests failed only by crashing (the first are listed), which does not"
+        f" count.\n\n{chr(10).join(table)}\n" + (f"\nNot run: {', '.join(not_run)}\n" if not_run else "")
+    )
+    return summary
+
+
+def run(mutations: list[Mutation]) -> int:
+    """Run ``mutations``, record their verdicts; 0 if every one was caught."""
+    claims = read_inventory()
+    results = previous_results()
+    version = _code_version()
+    started = time.monotonic()
+    ran = []
+    for mutation in mutations:
+        # first the test that caught it last time, then the claim's own tests; then the rest of the folders
+        last = (results.get(mutation.name) or {}).get("caught_by")
+        hint = ",".join([*([last] if last else []), *claims[mutation.claim].tests])
+        row = {**check(mutation, claims[mutation.claim], hint), "ran_on": version}
+        results[mutation.name] = row
+        ran.append(row)
+        by = f"by {row['caught_by']} ({row['kind']})" if row["caught_by"] else f"in {' '.join(row['tests'])}"
+        print(f"{row['verdict']:8} {row['seconds']:5d} s  {mutation.name} [{mutation.claim}] {by}", flush=True)
+        for crash in row["crashed"] if row["verdict"] != "caught" else []:
+            print(f"           crashed: {crash}", flush=True)
+        write_results(results, len(claims))  # after every bug: a check stopped half-way keeps what it found
+    caught = sum(row["verdict"] == "caught" for row in ran)
+    print(f"\nthis run: {caught} of {len(ran)} caught in {round(time.monotonic() - started)} s")
+    print(write_results(results, len(claims)))
+    return 0 if caught == len(ran) else 1
+
+
+def main(arguments: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("words", nargs="*", help="run the bugs whose name or claim id contains one of these")
+    parser.add_argument("--from", dest="start", type=int, default=0, help="run the bugs from this one on (0-based)")
+    parser.add_argument("--not-caught", action="store_true", help="run the bugs whose latest verdict is not caught")
+    options = parser.parse_args(arguments)
+    previous = previous_results()
+    chosen = [
+        mutation
+        for mutation in MUTATIONS[options.start :]
+        if (not options.words or any(word in mutation.name or word in mutation.claim for word in options.words))
+        and (not options.not_caught or (previous.get(mutation.name) or {}).get("verdict") != "caught")
+    ]
+    return run(chosen)
 
 
 if __name__ == "__main__":
-    arguments = sys.argv[1:]
-    if arguments[:1] == ["--from"]:  # a long check in parts: the bugs from the n-th on (0-based)
-        MUTATIONS[:] = MUTATIONS[int(arguments[1]) :]
-        arguments = arguments[2:] or [""]  # a selection: the results of a part are printed, not written
-    raise SystemExit(run(arguments))
+    raise SystemExit(main(sys.argv[1:]))

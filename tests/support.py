@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import flair
-import pytest
 import torch
 from flair.data import Corpus
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings, TransformerDocumentEmbeddings
@@ -224,6 +223,23 @@ def processes() -> list[ProcessInfo]:
     return found
 
 
+class RunCrashed(Exception):
+    """A process or run the test started ended with an error the test did not expect. The test fails, but the
+    mutation check does not count it as catching a deliberate bug: only an assertion of the test's own, or an error
+    it expected by type, does (docs/testing.md)."""
+
+
+class RunHung(Exception):
+    """A process or run the test started did not end in time. The mutation check counts it as a catch only for the
+    claims about hanging (``hangs = true`` in tests/mutations/)."""
+
+
+def expect_success(returncode: int, what: str, output: str) -> None:
+    """Raise :class:`RunCrashed` with the output's tail when ``what`` ended with a non-zero exit code."""
+    if returncode != 0:
+        raise RunCrashed(f"{what} failed with exit code {returncode}:\n{output[-6000:]}")
+
+
 def run_script(
     script: str,
     *args: str,
@@ -231,17 +247,19 @@ def run_script(
     launcher: list[str] | None = None,
     extra_env: dict[str, str] | None = None,
 ) -> str:
-    """Run ``tests/scripts/<script>`` in a fresh interpreter (the way a user runs a training script)."""
+    """Run ``tests/scripts/<script>`` in a fresh interpreter (the way a user runs a training script); its output.
+    A non-zero exit raises :class:`RunCrashed`, a run past ``timeout`` :class:`RunHung`."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.update(extra_env or {})
     env.pop("LOCAL_RANK", None)
     command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired as stuck:  # a hang fails the test (rather than the test timeout ending it)
-        pytest.fail(f"{script} did not end within {timeout} s: {str(stuck.stdout)[-3000:]} {str(stuck.stderr)[-3000:]}")
+    except subprocess.TimeoutExpired as stuck:  # a hang ends the test (rather than the test timeout ending it)
+        tail = f"{str(stuck.stdout)[-3000:]} {str(stuck.stderr)[-3000:]}"
+        raise RunHung(f"{script} did not end within {timeout} s: {tail}") from None
     output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, f"{script} failed with {completed.returncode}:\n{output[-6000:]}"
+    expect_success(completed.returncode, script, output)
     return output
 
 

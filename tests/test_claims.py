@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from .conftest import failure_kind
 from .mutation_check import MUTATIONS, REPO, read_inventory
+from .support import RunCrashed, RunHung
 
 
 def test_every_claim_has_a_deliberate_bug_and_every_bug_breaks_a_listed_claim() -> None:
@@ -52,4 +57,92 @@ def test_every_deliberate_bug_applies_to_the_code_as_it_is() -> None:
                 ast.parse(source)
             except SyntaxError as error:
                 problems.append(f"{mutation.name}: {relative} does not parse with the bug planted ({error})")
-    assert problems == []
+
+
+def _names(node: ast.expr | None) -> set[str]:
+    """The exception names an ``except`` clause catches (``None``: a bare except)."""
+    if node is None:
+        return {"BaseException"}
+    if isinstance(node, ast.Tuple):
+        return set().union(*(_names(element) for element in node.elts))
+    return {ast.unparse(node)}
+
+
+def _fails(statement: ast.stmt) -> bool:
+    """Whether a statement fails the test whatever the error was: an assert, ``raise AssertionError``, pytest.fail."""
+    if isinstance(statement, ast.Assert):
+        return True
+    if isinstance(statement, ast.Raise) and statement.exc is not None:
+        return ast.unparse(statement.exc).startswith("AssertionError")
+    return isinstance(statement, ast.Expr) and ast.unparse(statement.value).startswith("pytest.fail(")
+
+
+def test_no_test_turns_any_error_into_a_failure() -> None:
+    """A catch is an assertion or an error the test expected by type (docs/testing.md): no ``except`` clause that
+    catches every error (``Exception``, ``BaseException``, bare) fails the test unconditionally, and none catches an
+    assertion or a pytest.fail to hand it on as something else."""
+    broad, caught_failures = {"Exception", "BaseException"}, {"AssertionError", "pytest.fail.Exception"}
+    problems = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ExceptHandler):
+                continue
+            where = f"{path.relative_to(REPO)}:{node.lineno}"
+            if _names(node.type) & broad and any(_fails(statement) for statement in node.body):
+                problems.append(f"{where}: every error fails the test (catch the error the test means)")
+            if _names(node.type) & caught_failures:
+                problems.append(f"{where}: an assertion or pytest.fail is caught")
+
+
+def _raised(function: Callable[[], object]) -> pytest.ExceptionInfo:
+    try:
+        function()
+    except BaseException:
+        return pytest.ExceptionInfo.from_current()
+    raise RuntimeError("nothing was raised")
+
+
+def _code_under_test_asserts() -> None:
+    """An ``assert`` of the code under test (compiled as a module of the package)."""
+    namespace: dict[str, Callable[[], None]] = {}
+    exec(compile("def step():\n    assert False, 'optimizer'\n", str(REPO / "flair_fabric" / "x.py"), "exec"), namespace)
+    namespace["step"]()
+
+
+def _did_not_raise() -> None:
+    with pytest.raises(ValueError):
+        pass
+
+
+def _wrong_message() -> None:
+    with pytest.raises(ValueError, match="num_nodes"):
+        raise ValueError("devices")
+
+
+def _test_asserts() -> None:
+    assert 0.1 + 0.2 == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    ("function", "when", "kind"),
+    [
+        (_test_asserts, "call", "assertion"),
+        (_wrong_message, "call", "assertion"),
+        (_did_not_raise, "call", "expected error"),
+        (lambda: pytest.fail("a rank was left waiting in a collective"), "call", "expected error"),
+        (lambda: pytest.fail("Timeout >300.0s"), "call", "timeout"),
+        (lambda: _raise(RunHung("the job did not end within 120 s")), "call", "timeout"),
+        (_code_under_test_asserts, "call", "crashed"),
+        (lambda: _raise(RunCrashed("ddp_runs.py failed with exit code 1")), "call", "crashed"),
+        (lambda: _raise(RuntimeError("Received data size doesn't match expected size")), "call", "crashed"),
+        (_test_asserts, "setup", "crashed"),
+    ],
+)
+def test_the_mutation_check_tells_a_catch_from_a_crash(function: Callable[[], None], when: str, kind: str) -> None:
+    """Only an assertion of the tests' own code or an expected error catches a bug; an assertion of the code under
+    test, a process that failed, any other error and a fixture's failure are crashes; a hang is a timeout."""
+    assert failure_kind(_raised(function), when) == kind
+
+
+def _raise(error: BaseException) -> None:
+    raise error

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ..support import REPO, SCRIPTS
+from ..support import REPO, SCRIPTS, expect_success
 from .test_reliability import finish
 
 pytestmark = pytest.mark.multiprocess
@@ -29,7 +29,7 @@ def _run(tmp_path: Path, job: str) -> object:
 
 def test_a_ctrl_c_to_the_caller_stops_the_language_model_workers_at_their_next_agreement(tmp_path: Path) -> None:
     job = _run(tmp_path, "lm")
-    assert job.returncode == 0, job.stderr[-3000:]
+    expect_success(job.returncode, "the job", job.stderr)
     assert "test scored: True" in job.stdout, job.stdout
     splits = int(job.stdout.split("stopped after ")[1].split()[0])
     assert 1 <= splits < 20, "stopped long before its 500 epochs"
@@ -40,6 +40,6 @@ def test_a_ctrl_c_to_the_caller_stops_the_language_model_workers_at_their_next_a
 @pytest.mark.parametrize("entry", ["predict", "evaluate"])
 def test_two_ctrl_cs_to_the_caller_stop_and_reap_the_prediction_workers(tmp_path: Path, entry: str) -> None:
     job = _run(tmp_path, entry)
-    assert job.returncode == 0, job.stderr[-3000:]
+    expect_success(job.returncode, "the job", job.stderr)
     assert "interrupted: SIGINT received: the workers were stopped" in job.stdout, job.stdout + job.stderr[-2000:]
     assert job.no_process_left()

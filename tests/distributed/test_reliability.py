@@ -27,6 +27,8 @@ from ..plugin_support import FailAt
 from ..support import (
     REPO,
     SCRIPTS,
+    RunHung,
+    expect_success,
     run_on_ranks,
     small_trec,
     state_dict_difference,
@@ -91,7 +93,7 @@ def finish(process: subprocess.Popen, started: float, timeout: float = 300) -> J
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"the job did not end within {timeout} s:\n{stderr[-3000:]}") from None
+        raise RunHung(f"the job did not end within {timeout} s:\n{stderr[-3000:]}") from None
     return Job(process.returncode, stdout, stderr, time.monotonic() - started, process.pid)
 
 
@@ -183,7 +185,7 @@ def test_an_interrupted_job_stops_every_rank_and_saves_the_final_model_once(
     os.killpg(process.pid, signal_number)  # what Ctrl-C in a terminal or a scheduler's SIGTERM does
     job = finish(process, started, timeout=120)
 
-    assert job.returncode == 0, job.stderr[-3000:]
+    expect_success(job.returncode, "the job", job.stderr)
     log = log_file.read_text()
     assert f"{signal_number.name} received by rank" in log and "Exiting from training early." in log
     assert log.count("Saving model ...") == 1
@@ -225,7 +227,7 @@ def test_ctrl_c_with_forked_workers_stops_them_together_and_hands_back_the_final
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
     )
     job = finish(process, started, timeout=120)
-    assert job.returncode == 0, job.stderr[-3000:]
+    expect_success(job.returncode, "the job", job.stderr)
     assert "final-model.pt differs from the caller's model by 0.0" in job.stdout
     log = (tmp_path / "training.log").read_text()
     assert "SIGINT received by rank" in log and log.count("Saving model ...") == 1

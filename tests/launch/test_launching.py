@@ -25,6 +25,9 @@ from ..support import (
     REPO,
     SCRIPTS,
     UNION,
+    RunCrashed,
+    RunHung,
+    expect_success,
     make_tiny_bert,
     small_trec,
     small_wnut,
@@ -61,9 +64,9 @@ def _run_together_on_a_free_port(commands_for: Any, attempts: int = 3) -> list[s
             return outputs
         if attempt + 1 < attempts and any(taken in output for output in outputs for taken in _PORT_TAKEN):
             continue
-        failed = next(output for process, output in zip(processes, outputs, strict=True) if process.returncode)
-        raise AssertionError(failed[-6000:])
-    raise AssertionError("unreachable")
+        failed = next(process for process in processes if process.returncode)
+        expect_success(failed.returncode, " ".join(failed.args), outputs[processes.index(failed)])
+    raise RunCrashed(f"no free port in {attempts} attempts")
 
 
 def _script_env(**extra: str) -> dict[str, str]:
@@ -81,7 +84,7 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int
     outputs = []
     for process in processes:
         output, _ = process.communicate(timeout=timeout)
-        assert process.returncode == 0, output[-6000:]
+        expect_success(process.returncode, " ".join(process.args), output)
         outputs.append(output)
     return outputs
 
@@ -167,18 +170,15 @@ def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(t
 def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_best_model(tmp_path: Path) -> None:
     corpus = small_wnut(tmp_path / "wnut")  # sentences with span labels: plain pickling fails on them
     model = tiny_sequence_tagger(corpus)
-    try:
-        FabricTrainer(model, corpus).train(
-            tmp_path / "run",
-            max_epochs=3,
-            mini_batch_size=8,
-            learning_rate=0.1,
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_spawn",
-        )
-    except Exception as error:
-        pytest.fail(f"ddp_spawn could not train on sentences with span labels: {error!r}")
+    FabricTrainer(model, corpus).train(
+        tmp_path / "run",
+        max_epochs=3,
+        mini_batch_size=8,
+        learning_rate=0.1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+    )
     best = SequenceTagger.load(tmp_path / "run" / "best-model.pt")  # train() picks the best epoch on dev
     assert state_dict_difference(model.state_dict(), best.state_dict()) == 0.0
     texts = ["Justin Bieber is in New York tonight", "going to the Apple store"]
@@ -361,6 +361,6 @@ def test_forked_workers_after_the_caller_computed_on_several_threads_finish(tmp_
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
     except subprocess.TimeoutExpired as stuck:
-        pytest.fail(f"the forked workers hang: {stuck}")
-    assert completed.returncode == 0, completed.stderr[-4000:]
+        raise RunHung(f"the forked workers hang: {stuck}") from None
+    expect_success(completed.returncode, "fork_after_openmp.py", completed.stderr)
     assert "workers computed with 1 thread(s); this process with 2" in completed.stdout

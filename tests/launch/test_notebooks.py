@@ -17,7 +17,7 @@ import pytest
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from ..support import REPO, processes
+from ..support import REPO, RunHung, processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -153,7 +153,7 @@ def _reply(client: Any, msg_id: str, timeout: float) -> dict:
             continue
         if reply["parent_header"].get("msg_id") == msg_id:
             return reply["content"]
-    raise AssertionError(f"the cell did not end within {timeout} s of the interrupt")
+    raise RunHung(f"the cell did not end within {timeout} s of the interrupt")
 
 
 def _output_until_idle(client: Any, msg_id: str, timeout: float) -> str:
@@ -170,7 +170,7 @@ def _output_until_idle(client: Any, msg_id: str, timeout: float) -> str:
         texts.append(message["content"].get("text", ""))
         if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
             return "".join(texts)
-    raise AssertionError(f"the cell's output did not end within {timeout} s")
+    raise RunHung(f"the cell's output did not end within {timeout} s")
 
 
 STALE_FINAL_MODEL = """

@@ -29,7 +29,16 @@ from flair_fabric.state.training_state import (
     save_training_state,
 )
 
-from ..support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier, write_config
+from ..support import (
+    REPO,
+    SCRIPTS,
+    RunHung,
+    expect_success,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+    write_config,
+)
 
 # AdamW with flair's linear schedule (fine_tune), shuffled batches, dropout, chunks of 2: 6 steps per epoch
 RESUMABLE: dict[str, Any] = {
@@ -175,7 +184,7 @@ def test_a_preemption_signal_writes_one_checkpoint_requeues_and_the_requeued_job
     assert "SIGUSR1 received by rank" in preempted.stderr + preempted.stdout
 
     requeued = job("requeued", kwargs={**options, "resume_from": "auto"})
-    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    expect_success(requeued.returncode, "the requeued job", requeued.stderr)
     reference = _train(tmp_path / "uninterrupted", "ddp", checkpoint_every_n_steps=None)
     resumed = torch.load(tmp_path / "weights.pt")
     assert state_dict_difference(reference.state_dict(), resumed) <= 1e-6
@@ -196,10 +205,12 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_and_give_up_after_t
         try:  # a run takes about 10 s; a restarted attempt that cannot meet its peers waits until killed
             return subprocess.run([*command, str(path)], env=env, capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired as stuck:
-            pytest.fail(f"the torchrun job {name} did not end within 120 s (a restart that never met): {stuck}")
+            raise RunHung(
+                f"the torchrun job {name} did not end within 120 s (a restart that never met): {stuck}"
+            ) from None
 
     once = job("fails-once", fail_once_at=9)
-    assert once.returncode == 0, once.stderr[-3000:]
+    expect_success(once.returncode, "the torchrun job that fails once", once.stderr)
     assert "resumed from" in once.stdout + once.stderr
     reference = _train(tmp_path / "undisturbed", "ddp")
     assert state_dict_difference(reference.state_dict(), torch.load(tmp_path / "fails-once" / "weights.pt")) <= 1e-6

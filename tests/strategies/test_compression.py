@@ -121,9 +121,10 @@ def test_half_precision_compression_works_where_ddp_searches_for_unused_paramete
     exact_weights, moved = exact
     try:
         rank0, rank1 = _train(tmp_path / "run", find_unused_parameters=True, gradient_compression=compression)
-    except Exception as error:
-        failure = f"{type(error).__name__}: {error}"
-        pytest.fail(f"gradient_compression={compression!r} with find_unused_parameters=True did not train: {failure}")
+    except Exception as error:  # the refusal that belongs to PowerSGD alone
+        if "with find_unused_parameters=True" in str(error):
+            pytest.fail(f"gradient_compression={compression!r} with find_unused_parameters=True was refused: {error}")
+        raise
     assert state_dict_difference(rank0, rank1) == 0.0
     share = state_dict_difference(rank0, exact_weights) / moved
     assert 0.0 < share <= largest_share, f"{compression}: {share:.4f} of training's change away from exact DDP"

@@ -68,27 +68,23 @@ class ShardedRunProbe(TrainerPlugin):
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """flair's train (SGD, gradient clipping at 5.0) of a tiny classifier whose Linear layers are shard units, on 2
-    forked ranks, with save_model_each_k_epochs=1. A failure is kept for the tests to report, not raised here."""
+    forked ranks, with save_model_each_k_epochs=1."""
     out = tmp_path_factory.mktemp("sharded")
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    error = None
-    try:
-        FabricTrainer(model, corpus).train(
-            out,
-            max_epochs=2,
-            mini_batch_size=4,
-            learning_rate=0.5,
-            save_model_each_k_epochs=1,
-            plugins=[ShardedRunProbe(out, model)],
-            accelerator="cpu",
-            devices=2,
-            strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
-        )
-    except Exception as raised:
-        error = raised
-    return {"out": out, "model": model, "initial": initial, "error": error}
+    FabricTrainer(model, corpus).train(
+        out,
+        max_epochs=2,
+        mini_batch_size=4,
+        learning_rate=0.5,
+        save_model_each_k_epochs=1,
+        plugins=[ShardedRunProbe(out, model)],
+        accelerator="cpu",
+        devices=2,
+        strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
+    )
+    return {"out": out, "model": model, "initial": initial}
 
 
 def _probe(run: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -108,12 +104,6 @@ def _first_step_gradient_norm(first_batches: list[list[str]]) -> float:
 
 
 @pytest.mark.multiprocess
-def test_fsdp_training_finishes(sharded_run: dict[str, Any]) -> None:
-    if sharded_run["error"] is not None:
-        pytest.fail(f"the fsdp run failed: {sharded_run['error']!r}")
-
-
-@pytest.mark.multiprocess
 def test_the_logged_gradient_norm_is_the_whole_gradients(sharded_run: dict[str, Any]) -> None:
     """Every rank logs the same train/gradient_norm at every step, and at step 1 it is the norm one process computes
     for the whole gradient of both ranks' batches (each rank holds only its shard of it)."""
@@ -122,13 +112,6 @@ def test_the_logged_gradient_norm_is_the_whole_gradients(sharded_run: dict[str, 
     assert rank0["gradient_norms"] == pytest.approx(rank1["gradient_norms"], rel=1e-6)
     expected = _first_step_gradient_norm([rank0["first_batch"], rank1["first_batch"]])
     assert rank0["gradient_norms"][0] == pytest.approx(expected, rel=1e-5)
-
-
-def _load_plain(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        pytest.fail(f"{path.name} cannot be read in one process: {error!r}")
 
 
 @pytest.mark.multiprocess
@@ -140,15 +123,12 @@ def test_fsdp_model_files_hold_the_whole_weights_and_load_in_one_process(
     state, read by TextClassifier.load in this process (no process group)."""
     path = sharded_run["out"] / name
     assert path.is_file(), f"{name} was not written"
-    state = _load_plain(path)
+    state = torch.load(path, map_location="cpu", weights_only=False)
     weights = state["state_dict"]
     shapes = {key: tuple(tensor.shape) for key, tensor in sharded_run["initial"].items()}
     assert {key: tuple(tensor.shape) for key, tensor in weights.items()} == shapes
     assert all(type(tensor) is torch.Tensor for tensor in weights.values()), {k: type(v) for k, v in weights.items()}
-    try:
-        loaded = TextClassifier.load(path)
-    except Exception as error:
-        pytest.fail(f"TextClassifier.load({name}) failed: {error!r}")
+    loaded = TextClassifier.load(path)
     assert type(loaded) is TextClassifier
     assert state_dict_difference(loaded.state_dict(), sharded_run["initial"]) > 1e-4, "trained weights"
 
@@ -166,7 +146,12 @@ def test_the_callers_model_holds_the_trained_weights_on_every_rank(sharded_run: 
     """When train returns, the model passed in holds, on every rank, the whole trained weights flair's trainer
     leaves it with (the best model's, read from best-model.pt in this process); the caller of the forked ranks
     gets them too."""
-    best = {key: tensor for key, tensor in _load_plain(sharded_run["out"] / "best-model.pt")["state_dict"].items()}
+    best = {
+        key: tensor
+        for key, tensor in torch.load(sharded_run["out"] / "best-model.pt", map_location="cpu", weights_only=False)[
+            "state_dict"
+        ].items()
+    }
     for rank in (0, 1):
         probe = _probe(sharded_run, rank)
         assert probe["meta_after_training"] == [], rank
@@ -174,5 +159,4 @@ def test_the_callers_model_holds_the_trained_weights_on_every_rank(sharded_run: 
         handed_back = torch.load(sharded_run["out"] / f"caller-rank{rank}.pt")
         assert state_dict_difference(handed_back, best) == 0.0, rank
     assert state_dict_difference(best, sharded_run["initial"]) > 1e-4
-    if sharded_run["error"] is None:
-        assert state_dict_difference(sharded_run["model"].state_dict(), best) == 0.0
+    assert state_dict_difference(sharded_run["model"].state_dict(), best) == 0.0
