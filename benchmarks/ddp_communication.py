@@ -18,6 +18,7 @@ import statistics
 from typing import Any
 
 from preemption import Runs
+from section_statistics import training_sizes
 
 FABRIC_VARIANTS = ("auto", "no-comm", "strided", "one-by-one", "fused", "bf16", "powersgd")
 EXACT_SAVINGS_VARIANTS = ("auto", "copy-grads", "static", "bucket5", "bucket100")
@@ -120,14 +121,7 @@ def communication_section(
             flush=True,
         )
         models[job.model] = {
-            "sizes": {
-                "train_size": job.train_size,
-                "mini_batch_size_per_process": job.batch_size,
-                "epochs_per_run": job.epochs,
-                "learning_rate": job.learning_rate,
-                "launches": launches,
-                "runs_per_launch": job.reps,
-            },
+            "sizes": training_sizes(job, launches=launches, runs_per_launch=job.reps),
             "summary": summary,
             "runs": runs,
         }

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 
 class Runs(Protocol):
-    """``run.Runner``: starts one worker and returns its JSON."""
+    """``worker_runner.Runner``: starts one worker and returns its JSON."""
 
     work_dir: Path
 
