@@ -17,8 +17,8 @@ import torch
 
 from flair_fabric import FabricTrainer
 
-from ..support import REPO, SCRIPTS, small_trec, state_dict_difference, tiny_text_classifier
-from .network import Host, hosts_on_a_network
+from ..support import REPO, SCRIPTS, RunCrashed, small_trec, state_dict_difference, tiny_text_classifier
+from .network import REQUIRED, Host, hosts_on_a_network, skip_without_namespaces
 
 pytestmark = pytest.mark.multiprocess
 
@@ -170,3 +170,24 @@ def test_a_lost_host_ends_the_job_within_the_collective_timeout_and_host_0_resum
         assert "resuming a checkpoint of 2 process(es) on 1" in output and "after step 3 of epoch 2" in output
         resumed = torch.load(hosts[0].folder / "results" / "weights-rank0.pt")
         assert state_dict_difference(resumed, _union_weights(2)) < 1e-5
+
+
+@pytest.mark.parametrize("required", ["1", None])
+def test_where_the_hosts_tests_are_required_they_fail_rather_than_skip(
+    monkeypatch: pytest.MonkeyPatch, required: str | None
+) -> None:
+    """CI (.ci/run) sets FLAIR_FABRIC_REQUIRE_HOSTS=1: a machine there that cannot make namespaces fails the hosts
+    tests; elsewhere they are skipped with the reason."""
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    if required is None:
+        monkeypatch.delenv(REQUIRED, raising=False)
+        with pytest.raises(pytest.skip.Exception, match="run as root"):
+            skip_without_namespaces()
+    else:
+        monkeypatch.setenv(REQUIRED, required)
+        with pytest.raises(RunCrashed, match="FLAIR_FABRIC_REQUIRE_HOSTS=1 but the hosts tests cannot run"):
+            skip_without_namespaces()
+
+
+def test_ci_requires_the_hosts_tests() -> None:
+    assert f"{REQUIRED}=1 make test" in (REPO / ".ci" / "run").read_text()
