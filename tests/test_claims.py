@@ -80,18 +80,27 @@ def _fails(statement: ast.stmt) -> bool:
 def test_no_test_turns_any_error_into_a_failure() -> None:
     """A catch is an assertion or an error the test expected by type (docs/testing.md): no ``except`` clause that
     catches every error (``Exception``, ``BaseException``, bare) fails the test unconditionally, and none catches an
-    assertion or a pytest.fail to hand it on as something else."""
+    assertion or a pytest.fail to hand it on as something else. An expected error is expected by its type: no
+    ``pytest.raises(Exception, match=...)``."""
     broad, caught_failures = {"Exception", "BaseException"}, {"AssertionError", "pytest.fail.Exception"}
     problems = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}"
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "pytest.raises"
+                and _names(node.args[0]) & broad
+                and any(keyword.arg == "match" for keyword in node.keywords)
+            ):
+                problems.append(f"{where}: pytest.raises(Exception, match=...) takes any error with the words")
             if not isinstance(node, ast.ExceptHandler):
                 continue
-            where = f"{path.relative_to(REPO)}:{node.lineno}"
             if _names(node.type) & broad and any(_fails(statement) for statement in node.body):
                 problems.append(f"{where}: every error fails the test (catch the error the test means)")
             if _names(node.type) & caught_failures:
                 problems.append(f"{where}: an assertion or pytest.fail is caught")
+    assert problems == []
 
 
 def _raised(function: Callable[[], object]) -> pytest.ExceptionInfo:
@@ -105,7 +114,9 @@ def _raised(function: Callable[[], object]) -> pytest.ExceptionInfo:
 def _code_under_test_asserts() -> None:
     """An ``assert`` of the code under test (compiled as a module of the package)."""
     namespace: dict[str, Callable[[], None]] = {}
-    exec(compile("def step():\n    assert False, 'optimizer'\n", str(REPO / "flair_fabric" / "x.py"), "exec"), namespace)
+    exec(
+        compile("def step():\n    assert False, 'optimizer'\n", str(REPO / "flair_fabric" / "x.py"), "exec"), namespace
+    )
     namespace["step"]()
 
 
@@ -120,7 +131,7 @@ def _wrong_message() -> None:
 
 
 def _test_asserts() -> None:
-    assert 0.1 + 0.2 == pytest.approx(0.4)
+    assert pytest.approx(0.4) == 0.1 + 0.2
 
 
 @pytest.mark.parametrize(

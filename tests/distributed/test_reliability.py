@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from flair.models import TextClassifier
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from flair_fabric import FabricTrainer
 from flair_fabric.distributed.stalls import wait_for_global_zero
@@ -149,7 +150,7 @@ def test_a_stalled_rank_ends_the_job_after_the_collective_timeout_with_an_error_
     corpus = small_trec()
     trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
     started = time.monotonic()
-    with pytest.raises(Exception, match="waited longer than collective_timeout") as raised:
+    with pytest.raises(ProcessRaisedException, match="waited longer than collective_timeout") as raised:
         trainer.train(
             tmp_path,
             max_epochs=50,
@@ -279,7 +280,7 @@ def test_a_job_whose_rank_0_fails_at_once_does_not_leave_the_others_waiting_half
     launcher kills it 30 s after rank 0 failed (it holds SIGTERM)."""
     config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None)
     started = time.monotonic()
-    with pytest.raises(Exception, match="rank 0 failed before its first file work"):
+    with pytest.raises(ProcessRaisedException, match="rank 0 failed before its first file work"):
         run_on_ranks(config, _rank_0_fails_before_rank_1_waits_for_its_file_work, None)
     assert time.monotonic() - started < 20, "rank 1 sat in the making of the group until it was killed"
 

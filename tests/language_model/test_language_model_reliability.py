@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch.distributed
 from flair.trainers.language_model_trainer import TextCorpus
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from flair_fabric import FabricLanguageModelTrainer
 
@@ -33,7 +34,9 @@ class _StallsOnRank1(FabricLanguageModelTrainer):
 def test_a_stalled_collective_names_the_rank_the_split_and_the_step(tmp_path: Path) -> None:
     corpus = tiny_corpus(tmp_path / "corpus")
     started = time.monotonic()
-    with pytest.raises(Exception, match=r"global rank 0 of 2 waited longer than collective_timeout \(3 s\)") as error:
+    with pytest.raises(
+        ProcessRaisedException, match=r"global rank 0 of 2 waited longer than collective_timeout \(3 s\)"
+    ) as error:
         _StallsOnRank1(tiny_language_model(corpus), corpus).train(
             tmp_path / "run", collective_timeout=3, **FORK, **LM_OPTIONS
         )
@@ -62,6 +65,6 @@ def test_ranks_that_would_train_other_text_are_refused(tmp_path: Path) -> None:
     corpus = tiny_corpus(tmp_path / "corpus")
     other = tiny_corpus(tmp_path / "other", splits=2)
     trainer = _OtherTextOnRank1(tiny_language_model(corpus), corpus, other)
-    with pytest.raises(Exception, match=r"rank 1's corpus differs from rank 0's in .*train"):
+    with pytest.raises(ProcessRaisedException, match=r"rank 1's corpus differs from rank 0's in .*train"):
         trainer.train(tmp_path / "run", **FORK, **LM_OPTIONS)
     assert not (tmp_path / "run" / "loss.txt").exists(), "refused before training"

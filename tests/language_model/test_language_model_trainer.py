@@ -22,6 +22,7 @@ from flair.trainers import ModelTrainer
 from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorpus
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricLanguageModelTrainer
 from flair_fabric.language_model import recurrent_kernels as recurrent_kernels_module
@@ -290,7 +291,9 @@ def test_a_run_killed_in_the_middle_of_an_epoch_resumes_to_the_uninterrupted_res
     rates = [line.split("learning rate")[1] for line in summaries(tmp_path / "whole")[:-1]]
     assert rates[5] != rates[4], "annealed after split 2 of epoch 2"
     seeded()
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):  # split 2 of epoch 2; the last state: after split 1
+    with pytest.raises(
+        ProcessExitedException, match=r"SIGKILL|signal 9"
+    ):  # split 2 of epoch 2; the last state: after split 1
         _NoBetterAtValidation5(killed, corpus, counts=tmp_path / "counts", kill_at=5).train(
             tmp_path / "killed", **options
         )

@@ -22,6 +22,7 @@ from flair.data import DataPoint, Label, Relation, Sentence
 from flair.datasets import ColumnCorpus, ColumnDataset
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
+from torch.multiprocessing.spawn import ProcessExitedException
 
 import flair_fabric
 from flair_fabric import cli
@@ -259,7 +260,7 @@ def test_a_killed_job_leaves_no_output_file(trained_classifier: Path, tmp_path: 
     model = TextClassifier.load(trained_classifier)
     model.__class__ = _DiesOnThirdChunk
     source = _question_file(tmp_path / "questions.txt", 400)
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         flair_fabric.predict(model, source, out_path=tmp_path / "out.jsonl", devices=2, chunk_size=64, **FORK)
     assert not (tmp_path / "out.jsonl").exists()
 

@@ -24,6 +24,7 @@ import flair_fabric
 from flair_fabric import cli
 from flair_fabric.datasets import TREC_LABEL_TYPE
 from flair_fabric.prediction.formats import Record, write_conll, write_jsonl
+from flair_fabric.prediction.sharding import NotSplittable
 
 from ..support import REPO, small_trec, tiny_text_classifier
 
@@ -298,7 +299,7 @@ def test_a_file_with_a_model_whose_labels_cannot_move_stops_with_an_error_that_s
     model.eval()
     source = tmp_path / "in.txt"
     source.write_text(f"What is a cat ?\n{_LabelsElsewhere.marked}\nWhere is Bath ?\n", encoding="utf-8")
-    with pytest.raises(Exception, match="pass data points"):
+    with pytest.raises(NotSplittable, match="pass data points"):
         flair_fabric.predict(model, source, out_path=tmp_path / "out.jsonl", **ONE)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["in.txt"], "no output, not even a partial one"
 

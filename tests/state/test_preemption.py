@@ -18,6 +18,7 @@ import pytest
 import torch
 from flair.trainers.plugins import TrainerPlugin
 from lightning.fabric import Fabric
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.state.run_state import RunState
@@ -139,7 +140,7 @@ def test_a_job_killed_mid_epoch_resumes_to_the_weights_of_the_uninterrupted_run(
     per_epoch = steps // 3
     for kill_at in random.Random(2026).sample(range(per_epoch + 2, 2 * per_epoch), 3):  # steps of epoch 2
         folder = tmp_path / f"killed-at-{kill_at}"
-        with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+        with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
             _train(folder, strategy, kill_at=kill_at)
         saved_after = (kill_at - 1) // 2 * 2  # the newest checkpoint the killed job completed
         assert newest_checkpoint(folder).name == f"step-{saved_after:09d}"
@@ -254,7 +255,7 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_a_crash_while_writi
 def test_a_checkpoint_of_two_processes_resumes_on_one_and_on_three(tmp_path: Path, strategy: str) -> None:
     """... and the interrupted epoch trains exactly the data points the two processes had not read yet."""
     written = tmp_path / "two"
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         _train(written, strategy, kill_at=9, record=True)  # a checkpoint in the middle of epoch 2
     saved = read_progress(newest_checkpoint(written))
     assert (saved.epoch, saved.step_in_epoch) == (1, 2)
@@ -308,7 +309,7 @@ def test_a_rank_that_dies_while_a_checkpoint_is_written_ends_the_job_and_leaves_
         return saved()
 
     monkeypatch.setattr(training_state, "rng_state", rank_one_dies_in_the_third_save)
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         _train(tmp_path / "run", "ddp", keep_checkpoints=5, collective_timeout=60)
     assert [path.name for path in complete_checkpoints(tmp_path / "run")] == ["step-000000002", "step-000000004"]
 

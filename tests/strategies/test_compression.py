@@ -14,6 +14,7 @@ import torch
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings
 from flair.models import TextClassifier
 from flair.trainers.plugins import TrainerPlugin
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE
@@ -107,7 +108,9 @@ def test_powersgd_over_several_buckets_keeps_the_ranks_collectives_in_step(tmp_p
 @pytest.mark.multiprocess
 def test_powersgd_with_unused_parameters_is_refused_with_the_reason(tmp_path: Path) -> None:
     # measured: with find_unused_parameters=True the ranks' PowerSGD collectives fall out of step on gloo
-    with pytest.raises(Exception, match=r"gradient_compression='powersgd' with find_unused_parameters=True"):
+    with pytest.raises(
+        ProcessRaisedException, match=r"gradient_compression='powersgd' with find_unused_parameters=True"
+    ):
         _train(tmp_path / "run", find_unused_parameters=True, gradient_compression="powersgd")
 
 

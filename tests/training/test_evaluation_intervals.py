@@ -19,6 +19,7 @@ from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 from flair.training_utils import AnnealOnPlateau
 from lightning.fabric.loggers import Logger
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy, LightningLoggerPlugin
 
@@ -283,7 +284,7 @@ def test_a_run_killed_mid_epoch_after_interval_evaluations_resumes_to_the_same_r
     between two evaluations and the resumed run evaluates step 10 itself."""
     reference = _resumable_run(tmp_path / "uninterrupted", strategy)
     folder = tmp_path / "killed"
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         _resumable_run(folder, strategy, kill_at=11, checkpoint_every_n_steps=every_n_steps)
     assert [row["STEP"] for row in _rows(folder)] == ["2", "4", "6", "8", "10"]
     resumed = _resumable_run(folder, strategy, resume_from="auto", checkpoint_every_n_steps=every_n_steps)

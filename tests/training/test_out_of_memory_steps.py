@@ -25,6 +25,7 @@ import torch.distributed
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 
@@ -328,7 +329,7 @@ def test_a_run_killed_after_a_retried_step_resumes_with_its_chunk_size_to_the_un
     needed, so the resumed run goes on in chunks of 1 without running out of memory again."""
     reference, _ = _run(tmp_path / "uninterrupted")
     folder = tmp_path / "killed"
-    with pytest.raises(Exception, match=r"SIGKILL|signal 9"):
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         _run(folder, kill_at=4, checkpoint_every_n_steps=2)
     raises = folder / "out-of-memory-raises.txt"
     retried = len(raises.read_text().splitlines())
