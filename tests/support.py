@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +233,26 @@ class RunCrashed(Exception):
 
 
 class RunHung(Exception):
-    """A process or run the test started did not end in time. The mutation check counts it as a catch only for the
-    claims about hanging (``hangs = true`` in tests/mutations/)."""
+    """A process or run the test started did not end in time, or its ranks fell out of step (a collective timed out,
+    or met another collective). The mutation check counts it as a catch only for the claims about hanging and
+    lockstep (``hangs = true`` in tests/mutations/)."""
+
+
+OUT_OF_STEP = re.compile(
+    r"waited longer than collective_timeout|[Tt]imed out|[Cc]onnection closed by peer|size doesn't match|size mismatch"
+)
+"""What a run's error says when its ranks fell out of step: flair-fabric's collective timeout, gloo's errors."""
+
+
+@contextlib.contextmanager
+def out_of_step_is_a_hang() -> Iterator[None]:
+    """A run in the block that ends because its ranks fell out of step raises :class:`RunHung` (other errors pass)."""
+    try:
+        yield
+    except Exception as error:
+        if OUT_OF_STEP.search(str(error)):
+            raise RunHung(f"the ranks fell out of step: {type(error).__name__}: {error}"[:6000]) from error
+        raise
 
 
 def expect_success(returncode: int, what: str, output: str) -> None:

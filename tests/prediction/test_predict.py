@@ -37,6 +37,7 @@ from ..support import (
     FABRIC_PRECISIONS,
     REPO,
     expect_success,
+    out_of_step_is_a_hang,
     run_script,
     small_trec,
     small_wnut,
@@ -110,9 +111,10 @@ def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warn
     model.predict(reference, mini_batch_size=4)
     logging.getLogger("flair").addHandler(handler)
     try:
-        flair_fabric.predict(model, ours, devices=2, mini_batch_size=4, **FORK)
+        with out_of_step_is_a_hang():
+            flair_fabric.predict(model, ours, devices=2, mini_batch_size=4, **FORK)
     except Exception as error:
-        if re.search(r"cannot be moved between processes|Connection closed by peer|[Tt]imed out", str(error)):
+        if "cannot be moved between processes" in str(error):
             pytest.fail(f"a model whose labels cannot move must be predicted by the caller, not end the run: {error}")
         raise
     finally:
