@@ -20,6 +20,7 @@ the commit it ran on), so a check may run in parts:
     python tests/mutation_check.py predict resume    # the bugs whose name or claim id contains a word
     python tests/mutation_check.py --from 120        # the bugs from the 120th on
     python tests/mutation_check.py --not-caught      # the bugs whose latest verdict is not "caught", or not run
+    python tests/mutation_check.py --no-record word  # print the verdicts only
 """
 
 from __future__ import annotations
@@ -220,8 +221,8 @@ def write_results(rows: dict[str, dict], claims: int) -> str:
     return summary
 
 
-def run(mutations: list[Mutation]) -> int:
-    """Run ``mutations``, record their verdicts; 0 if every one was caught."""
+def run(mutations: list[Mutation], record: bool = True) -> int:
+    """Run ``mutations``, record their verdicts (unless ``record`` is false); 0 if every one was caught."""
     claims = read_inventory()
     results = previous_results()
     version = _code_version()
@@ -238,10 +239,12 @@ def run(mutations: list[Mutation]) -> int:
         print(f"{row['verdict']:8} {row['seconds']:5d} s  {mutation.name} [{mutation.claim}] {by}", flush=True)
         for crash in row["crashed"] if row["verdict"] != "caught" else []:
             print(f"           crashed: {crash}", flush=True)
-        write_results(results, len(claims))  # after every bug: a check stopped half-way keeps what it found
+        if record:  # after every bug: a check stopped half-way keeps what it found
+            write_results(results, len(claims))
     caught = sum(row["verdict"] == "caught" for row in ran)
     print(f"\nthis run: {caught} of {len(ran)} caught in {round(time.monotonic() - started)} s")
-    print(write_results(results, len(claims)))
+    if record:
+        print(write_results(results, len(claims)))
     return 0 if caught == len(ran) else 1
 
 
@@ -250,6 +253,7 @@ def main(arguments: list[str]) -> int:
     parser.add_argument("words", nargs="*", help="run the bugs whose name or claim id contains one of these")
     parser.add_argument("--from", dest="start", type=int, default=0, help="run the bugs from this one on (0-based)")
     parser.add_argument("--not-caught", action="store_true", help="run the bugs whose latest verdict is not caught")
+    parser.add_argument("--no-record", action="store_true", help="print the verdicts, leave the results files alone")
     options = parser.parse_args(arguments)
     previous = previous_results()
     chosen = [
@@ -258,7 +262,7 @@ def main(arguments: list[str]) -> int:
         if (not options.words or any(word in mutation.name or word in mutation.claim for word in options.words))
         and (not options.not_caught or (previous.get(mutation.name) or {}).get("verdict") != "caught")
     ]
-    return run(chosen)
+    return run(chosen, record=not options.no_record)
 
 
 if __name__ == "__main__":
