@@ -1,10 +1,14 @@
 """Send flair objects to spawned processes, where plain pickling fails.
 
-Two things in flair cannot be pickled: models holding ``TransformerEmbeddings`` (its ``__setstate__`` passes
-``instance_parameters`` to the transformer's constructor) and sentences with span or relation labels (``Span`` and
-``Relation`` need arguments in ``__new__``). This pickler, used only for what ``ddp_spawn`` sends to its workers,
-moves a model by its flair state (the dictionary ``model.save`` writes, rebuilt with the class's ``load``) and
-rebuilds spans and relations from their attributes. flair's classes are left as they are.
+Three things in flair defeat plain pickling: models holding ``TransformerEmbeddings`` (its ``__setstate__`` passes
+``instance_parameters`` to the transformer's constructor), sentences with span or relation labels (``Span`` and
+``Relation`` need arguments in ``__new__``), and the links between neighbouring sentences of a corpus
+(``_previous_sentence``/``_next_sentence``, which flair sets for ``use_context``): pickle follows them sentence by
+sentence, one level of recursion each, and a ``ColumnCorpus`` of a few hundred sentences exceeds Python's recursion
+limit. This pickler, used only for what ``ddp_spawn`` sends to its workers, moves a model by its flair state (the
+dictionary ``model.save`` writes, rebuilt with the class's ``load``), rebuilds spans and relations from their
+attributes, and sends the sentence links after the object, in flat batches, so their depth never grows. flair's
+classes are left as they are.
 """
 
 from __future__ import annotations
@@ -14,28 +18,50 @@ import pickle
 from typing import Any
 
 import flair
-from flair.data import Relation, Span
+from flair.data import Relation, Sentence, Span
 
 from flair_fabric.state.model_state import model_from_bytes, model_to_bytes
 
+_LINKS = ("_previous_sentence", "_next_sentence")
+Links = list[tuple[Sentence, Sentence | None, Sentence | None]]
+
 
 class _FlairPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.links: Links = []  # the links of the sentences pickled so far, not yet sent
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, flair.nn.Model):
             return model_from_bytes, (type(obj), model_to_bytes(obj))
         if type(obj) in (Span, Relation):
             # skip the constructor (it registers the object with its sentence, which the state already holds)
             return object.__new__, (type(obj),), obj.__dict__
+        if isinstance(obj, Sentence) and any(getattr(obj, name, None) is not None for name in _LINKS):
+            state = {key: value for key, value in obj.__dict__.items() if key not in _LINKS}
+            self.links.append((obj, obj._previous_sentence, obj._next_sentence))
+            return object.__new__, (type(obj),), state
         return NotImplemented
 
 
 def dumps(obj: Any) -> bytes:
-    """Pickle ``obj``, moving flair models by their flair state and rebuilding spans without their constructor."""
+    """Pickle ``obj``, moving flair models by their flair state, rebuilding spans without their constructor and
+    sending sentence links afterwards (a neighbour outside ``obj`` is sent too, as plain pickling would)."""
     buffer = io.BytesIO()
-    _FlairPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = _FlairPickler(buffer)
+    pickler.dump(obj)
+    while pickler.links:  # one pickler: the sentences already sent are references (its memo holds them)
+        batch, pickler.links = pickler.links, []
+        pickler.dump(batch)
+    pickler.dump(None)
     return buffer.getvalue()
 
 
 def loads(data: bytes) -> Any:
     """Unpickle what :func:`dumps` wrote; flair models are rebuilt on the current ``flair.device``."""
-    return pickle.loads(data)
+    unpickler = pickle.Unpickler(io.BytesIO(data))  # one unpickler: the link batches refer to the object's sentences
+    obj = unpickler.load()
+    while (batch := unpickler.load()) is not None:
+        for sentence, previous, following in batch:
+            sentence._previous_sentence, sentence._next_sentence = previous, following
+    return obj
