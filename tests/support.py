@@ -91,7 +91,7 @@ def tiny_sequence_tagger(
     )
 
 
-def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0) -> Path:
+def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0, max_positions: int = 64) -> Path:
     """A randomly initialised 2-layer BERT without dropout and its word-piece tokenizer, saved in ``directory``."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
@@ -108,7 +108,7 @@ def make_tiny_bert(directory: str | Path, corpus: Corpus, seed: int = 0) -> Path
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         hidden_dropout_prob=0.0,  # deterministic: N ranks can be compared with one process
         attention_probs_dropout_prob=0.0,
     )
