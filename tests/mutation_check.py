@@ -14,7 +14,7 @@ time), then the rest of the folders: the verdict is the folders', only sooner. `
 inventory and this list in step.
 
 Every run writes its verdicts into ``benchmarks/results/mutation_check.{json,md}`` (each bug's latest verdict, with
-the commit it ran on), so a check may run in parts:
+the commit it ran on), so a check may run in parts, also at the same time:
 
     python tests/mutation_check.py                   # every bug
     python tests/mutation_check.py predict resume    # the bugs whose name or claim id contains a word
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import json
 import os
 import re
@@ -240,12 +241,20 @@ def run(mutations: list[Mutation], record: bool = True) -> int:
         for crash in row["crashed"] if row["verdict"] != "caught" else []:
             print(f"           crashed: {crash}", flush=True)
         if record:  # after every bug: a check stopped half-way keeps what it found
-            write_results(results, len(claims))
+            record_verdicts(ran, len(claims))
     caught = sum(row["verdict"] == "caught" for row in ran)
     print(f"\nthis run: {caught} of {len(ran)} caught in {round(time.monotonic() - started)} s")
     if record:
-        print(write_results(results, len(claims)))
+        print(record_verdicts(ran, len(claims)))
     return 0 if caught == len(ran) else 1
+
+
+def record_verdicts(rows: list[dict], claims: int) -> str:
+    """Merge ``rows`` into the results files as they are on disk now, under a lock: checks in parts may run at the
+    same time. The summary line."""
+    with open(RESULTS / ".mutation_check.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return write_results({**previous_results(), **{row["mutation"]: row for row in rows}}, claims)
 
 
 def main(arguments: list[str]) -> int:
