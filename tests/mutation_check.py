@@ -263,12 +263,15 @@ def main(arguments: list[str]) -> int:
     parser.add_argument("--from", dest="start", type=int, default=0, help="run the bugs from this one on (0-based)")
     parser.add_argument("--not-caught", action="store_true", help="run the bugs whose latest verdict is not caught")
     parser.add_argument("--no-record", action="store_true", help="print the verdicts, leave the results files alone")
+    parser.add_argument("--part", default="0/1", help="I/N: every N-th bug from the I-th, for N parts at once")
     options = parser.parse_args(arguments)
+    part, parts = (int(number) for number in options.part.split("/"))
     previous = previous_results()
     chosen = [
         mutation
-        for mutation in MUTATIONS[options.start :]
-        if (not options.words or any(word in mutation.name or word in mutation.claim for word in options.words))
+        for index, mutation in enumerate(MUTATIONS[options.start :])
+        if index % parts == part
+        and (not options.words or any(word in mutation.name or word in mutation.claim for word in options.words))
         and (not options.not_caught or (previous.get(mutation.name) or {}).get("verdict") != "caught")
     ]
     return run(chosen, record=not options.no_record)
