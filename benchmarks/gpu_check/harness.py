@@ -215,7 +215,7 @@ def resolve_out(out: Path | None, dry: bool) -> Path:
     if out is None:
         return Path(tempfile.mkdtemp(prefix="gpu-check-dry-")) if dry else DEFAULT_OUT
     out = out.resolve()
-    if dry and out == DEFAULT_OUT.resolve():
+    if dry and out.is_relative_to(DEFAULT_OUT.resolve()):  # the folder, however spelled, or one inside it
         raise SystemExit(f"--dry must not write into {DEFAULT_OUT} (the GPU results): pass another --out")
     return out
 

@@ -40,6 +40,7 @@ from flair_fabric.evaluation.batches import (
     fingerprint,
     gather_batches,
     predict_batches,
+    predict_in_parts,
 )
 from flair_fabric.evaluation.predictions import restore_labels
 
@@ -69,6 +70,30 @@ class _ReplayedPredictions:
         for data_point, labels in zip(sentences, batch.labels, strict=True):
             restore_labels(data_point, label_name, labels[PREDICTED])
         return _to_device(batch.returned, flair.device)
+
+
+class _RetriedInHalves:
+    """Stands in for the model inside flair's ``Classifier.evaluate`` in one process: ``predict`` is the model's, and
+    a batch that runs out of device memory is predicted again in halves (:func:`predict_in_parts`), as on a rank."""
+
+    def __init__(self, model: flair.nn.Classifier) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def predict(self, sentences: list[DataPoint], *, label_name: str, **kwargs: Any) -> Any:
+        return predict_in_parts(self._model, sentences, {"label_name": label_name, **kwargs}, [label_name])
+
+
+def _evaluate_whole(
+    model: flair.nn.Model, data: Dataset, out_path: Path | None, evaluate_kwargs: dict[str, Any]
+) -> Result:
+    """``model.evaluate`` in this process; with flair's own ``Classifier.evaluate``, out-of-memory batches in halves."""
+    if can_shard(model):
+        retried = _RetriedInHalves(model)
+        return flair.nn.Classifier.evaluate(retried, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
+    return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -132,7 +157,7 @@ def _evaluate_sharded(
             )
         )
         log.warning(f"evaluating on global rank 0 only: {reason}.")  # a log line: a warning filter must not kill
-        return model.evaluate(data, out_path=out_path, **evaluate_kwargs)
+        return _evaluate_whole(model, data, out_path, evaluate_kwargs)
     replay = _ReplayedPredictions(model, predictions)
     with _without_progress_bars():  # flair's bar would count the replay, at thousands of batches per second
         return flair.nn.Classifier.evaluate(replay, data, out_path=out_path, **evaluate_kwargs)  # type: ignore[arg-type]
@@ -195,7 +220,7 @@ def evaluate_across_ranks(
     """
     result: Result | None
     if fabric.world_size == 1:
-        result = model.evaluate(data, out_path=out_path, **evaluate_kwargs)
+        result = _evaluate_whole(model, data, out_path, evaluate_kwargs)
     elif can_shard(model):
         result = _evaluate_sharded(fabric, model, data, out_path if fabric.is_global_zero else None, evaluate_kwargs)
     else:

@@ -109,8 +109,9 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
         for what, text in (("validation split (valid.txt)", corpus.valid), ("test split (test.txt)", corpus.test)):
             check_enough_text(len(text), a.global_batch, what, a.mini_batch_size, world_size)
         for split_file in corpus.train.files:
-            size = Path(split_file).stat().st_size  # bytes: at least as many as characters
-            check_enough_text(size, a.global_batch, f"train split {split_file}", a.mini_batch_size, world_size)
+            with open(split_file, encoding="utf-8") as split:  # characters, as flair reads them (not bytes)
+                characters = len(split.read(2 * a.global_batch))  # no more than the two per column it needs
+            check_enough_text(characters, a.global_batch, f"train split {split_file}", a.mini_batch_size, world_size)
 
     @staticmethod
     def load_checkpoint(

@@ -43,6 +43,7 @@ from flair_fabric.strategies import (
     resolve_strategy,
     start_method,
     starts_workers,
+    strategy_name,
     timeout_of,
 )
 
@@ -278,7 +279,7 @@ def make_launch_config(
     if collective_timeout is not None and is_strategy_object(strategy):
         raise ValueError(
             f"collective_timeout={collective_timeout!r} and a strategy object were both given: pass timeout= to the"
-            f" {type(strategy).__name__}(...) instead."
+            f" {strategy_name(strategy)}(...) instead."
         )
     timeout = timeout_of(strategy) or timeout
     concrete_accelerator = resolve_accelerator(accelerator)

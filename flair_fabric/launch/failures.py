@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,10 +36,16 @@ log = logging.getLogger("flair")
 GRACEFUL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def stop_started_processes(fabric: Fabric) -> None:
-    """Kill the processes Fabric's script relaunch started from this one (they would wait for it forever)."""
+def stop_started_processes(fabric: Fabric, grace_seconds: float = 0.0) -> None:
+    """Kill the processes Fabric's script relaunch started from this one (they would wait for it forever); those
+    that end by themselves within ``grace_seconds`` (a preempted run's ranks, which exit with its requeue code) are
+    left to end."""
     launcher = fabric.strategy.launcher
+    deadline = time.monotonic() + grace_seconds
     for process in getattr(launcher, "procs", []):
+        if grace_seconds:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
         if process.poll() is None:
             process.kill()
 

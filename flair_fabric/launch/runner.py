@@ -63,6 +63,10 @@ from flair_fabric.strategies import starts_workers as strategy_starts_workers
 
 log = logging.getLogger("flair")
 
+PREEMPTED_RANKS_GRACE_SECONDS = 60.0
+"""How long global rank 0 of a script relaunch waits for the ranks it started to exit with the requeue code after a
+preemption (each writes its part of the checkpoint first, then ends alike) before it kills them."""
+
 
 def starts_workers(fabric: Fabric) -> bool:
     """Whether ``fabric.launch`` starts spawned or forked workers instead of running in the calling process."""
@@ -154,8 +158,10 @@ def run_job(job: Job, launch: LaunchConfig) -> Any:
                 atexit.register(destroy_process_group_at_exit)
             try:
                 return fabric.launch(functools.partial(_on_rank, job=job, timeout=timeout))
-            except BaseException:
-                stop_started_processes(fabric)  # the relaunched ranks would wait for this one until their timeout
+            except BaseException as error:
+                # the relaunched ranks would wait for this one until their timeout; preempted ones exit by themselves
+                preempted = isinstance(error, SystemExit) and error.code == REQUEUE_EXIT_CODE
+                stop_started_processes(fabric, grace_seconds=PREEMPTED_RANKS_GRACE_SECONDS if preempted else 0.0)
                 raise
         try:
             result = _run_in_workers(fabric, job, timeout)

@@ -40,7 +40,7 @@ def check_format(name: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def output_format_for(path: Path, output_format: str | None) -> str:
-    """The output format: as given, else from the file's suffix (``.conll``/``.txt`` columns, JSON lines otherwise)."""
+    """The output format: as given, else from the file's suffix (``.conll``/``.tsv`` columns, JSON lines otherwise)."""
     if output_format is not None:
         return check_format("output_format", output_format, OUTPUT_FORMATS)
     return "conll" if path.suffix in (".conll", ".tsv") else "jsonl"

@@ -119,6 +119,14 @@ def checkpoint_to_resume(
             f"epoch={epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
             " both given: leave epoch out when resuming."
         )
+    newest = newest_checkpoint(base_path)
+    if newest is not None and folder.resolve().parent == newest.resolve().parent and folder.name < newest.name:
+        raise ValueError(
+            f"resume_from={str(resume_from)!r} is older than the newest checkpoint of base_path ({newest}): the"
+            " resumed run's checkpoints would sort before the newer ones, keep_checkpoints would remove them first"
+            " and resume_from='auto' would go back to the newer ones. Resume into another base_path, or remove the"
+            f" checkpoints after {folder.name} first."
+        )
     return folder, progress.epoch
 
 

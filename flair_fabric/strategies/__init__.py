@@ -38,6 +38,11 @@ def is_strategy_object(strategy: Any) -> bool:
     return isinstance(strategy, Strategy)
 
 
+def strategy_name(strategy: str | Strategy) -> str:
+    """How logs, errors and the model card name a strategy: its name, or its object's class name."""
+    return strategy if isinstance(strategy, str) else type(strategy).__name__
+
+
 def resolve_strategy(
     strategy: str | Strategy,
     *,

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 import flair
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.wrappers import _FabricModule
+from lightning.fabric.wrappers import _FabricModule, _unwrap_objects
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
 from flair_fabric.state.safe_loading import load_data
@@ -124,6 +124,16 @@ class TrainingStrategy(ABC):
     @abstractmethod
     def set_up(self, run: SetUp) -> Prepared:
         """Place and wrap the model and build its optimizer (on every rank)."""
+
+    def clip_gradients(
+        self, fabric: Fabric, module: _FabricModule, optimizer: Any, max_norm: float
+    ) -> torch.Tensor | None:
+        """Clip the gradients' norm to ``max_norm`` as flair's trainer does, ``clip_grad_norm_(model.parameters())``:
+        over the model's parameters in the model's order, once the precision plugin unscaled them. (Fabric's
+        ``clip_gradients`` takes the optimizer's order, which flair's ``decoder_learning_rate`` changes, the decoder's
+        group first: the norm's last bits, and so the weights, would differ from flair's.)"""
+        fabric.strategy.precision.unscale_gradients(_unwrap_objects(optimizer))
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm=max_norm, error_if_nonfinite=False)
 
     def model_for_inference(self, model: flair.nn.Model) -> contextlib.AbstractContextManager[flair.nn.Model]:
         """The model to evaluate with while ``model`` trains (a collective for a sharded model)."""

@@ -1,11 +1,13 @@
 """Gradient compression for DDP, by choice: a DDP communication hook registered on the wrapped model.
 
 ``"bf16"`` and ``"fp16"`` halve the bytes all-reduced: each bucket is divided by the world size, cast down, summed and
-cast back, as PyTorch's ``fp16_compress_hook`` does (its ``bf16_compress_hook`` refuses every backend but NCCL, while
-gloo sums bf16 as well, so the hook here serves both types on every backend). ``"powersgd"`` is PyTorch's PowerSGD
-hook, one bucket after the other (:func:`ordered_powersgd_hook`): a low-rank approximation of every large gradient
-matrix, with error feedback (Vogels et al., 2019). All three change the gradients a little, so results are no longer
-bit-equal to exact DDP: docs/ddp-communication.md has the measured trade-off.
+cast back, as PyTorch's ``fp16_compress_hook`` does, but dividing before the cast (PyTorch's casts first: a gradient
+beyond float16's range overflows there even where the average fits). PyTorch's ``bf16_compress_hook`` refuses every
+backend but NCCL, while gloo sums bf16 as well, so the hook here serves both types on every backend.
+``"powersgd"`` is PyTorch's PowerSGD hook, one bucket after the other (:func:`ordered_powersgd_hook`): a low-rank
+approximation of every large gradient matrix, with error feedback (Vogels et al., 2019). All three change the
+gradients a little, so results are no longer bit-equal to exact DDP: docs/ddp-communication.md has the measured
+trade-off.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
@@ -53,10 +55,11 @@ def checked_compression(
 
 def half_precision_hook(dtype: torch.dtype, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook (its state is ``dtype``): all-reduce the bucket's average in ``dtype``, written back
-    in place."""
+    in place. The bucket is divided by the world size before the cast (in place, as DDP's own all-reduce hook does;
+    the result overwrites it)."""
     group = dist.group.WORLD
     buffer = bucket.buffer()
-    compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+    compressed = buffer.div_(dist.get_world_size(group)).to(dtype)
 
     def decompress(future: torch.futures.Future) -> torch.Tensor:
         return buffer.copy_(future.value()[0])

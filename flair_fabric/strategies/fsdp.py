@@ -269,6 +269,12 @@ class Sharded(TrainingStrategy):
     def __init__(self) -> None:
         self.copy: ShardedCopy[flair.nn.Model] | None = None
 
+    def clip_gradients(
+        self, fabric: Fabric, module: _FabricModule, optimizer: Any, max_norm: float
+    ) -> torch.Tensor | None:
+        """Fabric's clipping of the sharded gradients (the norm over every rank's shards)."""
+        return fabric.clip_gradients(module, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+
     def set_up(self, run: SetUp) -> Prepared:
         fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         self.copy = ShardedCopy(model)

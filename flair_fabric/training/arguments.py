@@ -26,6 +26,7 @@ from flair.training_utils import EmbeddingStorageMode
 from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
+from flair_fabric.strategies import strategy_name
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
 
@@ -312,7 +313,7 @@ class TrainArguments:
         """What flair hands the ``after_setup`` hooks and writes into the model card: flair's arguments (the
         optimizer's keyword arguments among them, the plugins in use) and flair-fabric's."""
         launch = self.launch
-        strategy = launch.strategy if isinstance(launch.strategy, str) else type(launch.strategy).__name__
+        strategy = strategy_name(launch.strategy)
         parameters = {
             **self.flair.as_dict(),
             "exclude_labels": self.flair.labels_excluded,

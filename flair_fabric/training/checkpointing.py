@@ -68,9 +68,9 @@ class Checkpointing:
         by all ranks); after a preemption, end the run for its requeue. One due after an epoch's last step is taken
         when the epoch is complete (evaluated), as an epoch's checkpoint."""
         progress = self.run.progress
-        self.watch_the_clock()
         by_agreement = agreed is not None and agreed.checkpoint
         if not (self.due_after_step(progress.batch_count) or by_agreement):
+            self.watch_the_clock()  # (not when a checkpoint is taken now: it restarts the clock)
             return
         preempted = agreed.preempted if agreed is not None else None
         if last:

@@ -19,6 +19,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
+from flair_fabric.strategies import strategy_name
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.optimizer_implementation import build_optimizer
@@ -168,7 +169,7 @@ def log_setup(
     log_line(log)
     log.info("Computation:")
     log.info(f" - compute on device: {fabric.device} (global rank 0 of {fabric.world_size})")
-    log.info(f" - strategy: {type(fabric.strategy).__name__}, precision: {arguments.launch.precision}")
+    log.info(f" - strategy: {strategy_name(fabric.strategy)}, precision: {arguments.launch.precision}")
     log.info(f" - embedding storage: {a.embeddings_storage_mode}")
     log_line(log)
     log.info(f'Model training base path: "{a.base_path}"')

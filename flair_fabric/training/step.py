@@ -54,7 +54,7 @@ def train_step(run: Run, batch: list, batch_kw: dict, largest_batch: int) -> tup
     trainer.dispatch("before_training_optimizer_step", **batch_kw)
     gradient_norm = None
     if a.max_grad_norm is not None and not run.strategy.clips_gradients_in_engine:
-        norm = fabric.clip_gradients(module, optimizer, max_norm=a.max_grad_norm, error_if_nonfinite=False)
+        norm = run.strategy.clip_gradients(fabric, module, optimizer, max_norm=a.max_grad_norm)
         gradient_norm = whole_tensor(norm) if norm is not None else None
     scaler = getattr(fabric.strategy.precision, "scaler", None)
     scale_before = scaler.get_scale() if scaler is not None else 1.0
