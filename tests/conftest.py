@@ -64,6 +64,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "method": "train",
             "kwargs": {"max_epochs": 3, "mini_batch_size": 4, "devices": 2},
             "listening": True,
+            "rank_zero_return": True,  # a plugin adds a return value on global rank 0 only
         },
         {"name": "annealed", "method": "train", "kwargs": ANNEALED},
     ]

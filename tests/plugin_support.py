@@ -31,6 +31,11 @@ class StepRecorder(TrainerPlugin):
         self.batch_losses: list[float] = []
         self.epochs: list[int] = []
         self.batch_counts: list[int] = []
+        self.steps_per_epoch: int | None = None
+
+    @TrainerPlugin.hook
+    def after_setup(self, **kw: Any) -> None:
+        self.steps_per_epoch = self.trainer.steps_per_epoch  # what a plugin reads of the trainer, inside a hook
 
     @TrainerPlugin.hook
     def after_training_batch(self, batch_count: int, **kw: Any) -> None:
@@ -54,6 +59,8 @@ class StepRecorder(TrainerPlugin):
             "batch_losses": self.batch_losses,
             "epochs": self.epochs,
             "batch_counts": self.batch_counts,
+            "steps_per_epoch": self.steps_per_epoch,
+            "learning_rate_at_the_end": self.trainer.optimizer.param_groups[0]["lr"],
         }
         rank = self.trainer.global_rank
         (self.out / f"record-rank{rank}.json").write_text(json.dumps(record))
@@ -62,7 +69,8 @@ class StepRecorder(TrainerPlugin):
 
 
 class StopOnOneRank(TrainerPlugin):
-    """Raises ``TrainingInterrupt`` on one rank only: after step ``at_step`` or at the end of epoch ``at_epoch``."""
+    """Raises ``TrainingInterrupt`` on one rank only: after step ``at_step`` or at the end of epoch ``at_epoch``. Its
+    message does not name the rank (the trainer's log line must)."""
 
     def __init__(self, rank: int, at_step: int | None = None, at_epoch: int | None = None) -> None:
         super().__init__()
@@ -71,12 +79,12 @@ class StopOnOneRank(TrainerPlugin):
     @TrainerPlugin.hook
     def after_training_batch(self, batch_count: int, **kw: Any) -> None:
         if self.trainer.global_rank == self.rank and batch_count == self.at_step:
-            raise TrainingInterrupt(f"rank {self.rank} wants to stop after step {batch_count}")
+            raise TrainingInterrupt(f"plugin wants to stop after step {batch_count}")
 
     @TrainerPlugin.hook
     def after_training_epoch(self, epoch: int, **kw: Any) -> None:
         if self.trainer.global_rank == self.rank and epoch == self.at_epoch:
-            raise TrainingInterrupt(f"rank {self.rank} wants to stop after epoch {epoch}")
+            raise TrainingInterrupt(f"plugin wants to stop after epoch {epoch}")
 
 
 class HookCounter(TrainerPlugin):
@@ -148,21 +156,45 @@ class KillAtStep(TrainerPlugin):
 
 
 class FailAt(TrainerPlugin):
-    """On rank ``rank``, when epoch ``epoch`` starts: raise an error (``how="raise"``), die (``how="kill"``), stall
-    for ``stall_seconds`` (ten minutes) without closing anything (``how="stall"``) or stop (``how="stop"``, SIGSTOP:
-    its sockets stay open, so its peers' backend would wait for it)."""
+    """On rank ``rank``, when epoch ``epoch`` starts (or, with ``step``, before that step of the epoch): raise an error
+    (``how="raise"``), die (``how="kill"``), stall for ``stall_seconds`` (ten minutes) without closing anything
+    (``how="stall"``; ``how="hang"``: with SIGINT and SIGTERM blocked, as in native code) or stop (``how="stop"``,
+    SIGSTOP: its sockets stay open, so its peers' backend would wait for it)."""
 
-    def __init__(self, epoch: int, rank: int, how: str, stall_seconds: float = 600) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        rank: int,
+        how: str,
+        stall_seconds: float = 600,
+        step: int | None = None,
+        marker: str | None = None,
+    ) -> None:
         super().__init__()
-        self.epoch, self.rank, self.how, self.stall_seconds = epoch, rank, how, stall_seconds
+        self.epoch, self.rank, self.how, self.stall_seconds, self.step = epoch, rank, how, stall_seconds, step
+        self.marker = marker  # a file written as the rank fails (for a test that waits for it)
 
     @TrainerPlugin.hook
     def before_training_epoch(self, epoch: int, **kw: Any) -> None:
+        if self.step is None:
+            self._fail(epoch)
+
+    @TrainerPlugin.hook
+    def before_training_batch(self, epoch: int, batch_no: int, **kw: Any) -> None:
+        if self.step is not None and batch_no + 1 == self.step:
+            self._fail(epoch)
+
+    def _fail(self, epoch: int) -> None:
         if epoch != self.epoch or self.trainer.global_rank != self.rank:
             return
+        if self.marker is not None:
+            Path(self.marker).write_text(self.how)
         if self.how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.how == "stall":
+            time.sleep(self.stall_seconds)
+        if self.how == "hang":  # stuck where no signal reaches it (e.g. in native code): SIGINT and SIGTERM wait
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             time.sleep(self.stall_seconds)
         if self.how == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)

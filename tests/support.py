@@ -255,6 +255,52 @@ def out_of_step_is_a_hang() -> Iterator[None]:
         raise
 
 
+def recording_new_groups(monkeypatch: Any, record: Path) -> None:
+    """Every ``torch.distributed.new_group`` call from now on (in forked workers too) first appends
+    ``"<global rank> <backend> <timeout in seconds>"`` to ``record``."""
+    make = torch.distributed.new_group
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        timeout = kwargs.get("timeout")
+        with Path(record).open("a") as stream:
+            seconds = None if timeout is None else timeout.total_seconds()
+            stream.write(f"{torch.distributed.get_rank()} {kwargs.get('backend')} {seconds}\n")
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "new_group", new_group)
+
+
+def counting_saves(record: Path, save: Any) -> Any:
+    """flair's ``Model.save`` (``save``) that first appends ``"<global rank> <model file name>"`` to ``record``: every
+    model file written, by whom (a temporary file ``.final-model.pt.<random>.tmp`` that is renamed into place counts
+    as ``final-model.pt``). Set as ``flair.nn.Model.save`` before forking or in a script, it counts on every rank."""
+
+    def counted(self: Any, model_file: Any, checkpoint: bool = False) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        name = Path(model_file).name
+        if name.startswith(".") and name.endswith(".tmp"):
+            name = name[1:].rsplit(".", 2)[0]
+        with Path(record).open("a") as stream:
+            stream.write(f"{rank} {name}\n")
+        return save(self, model_file, checkpoint)
+
+    return counted
+
+
+def no_training_may_start(monkeypatch: Any) -> None:
+    """``FabricTrainer`` going on to start its job (build its Fabric, start its processes) fails the test at once: a
+    refusal "before launch" must come first. (An unrefused run would otherwise train, or fail later with some error
+    of its own, which is not the refusal the test expects.)"""
+    import flair_fabric.trainer
+
+    def started(*args: Any, **kwargs: Any) -> None:
+        import pytest
+
+        pytest.fail("the run went on to start its job instead of refusing its arguments before launch")
+
+    monkeypatch.setattr(flair_fabric.trainer, "run_job", started)
+
+
 def expect_success(returncode: int, what: str, output: str) -> None:
     """Raise :class:`RunCrashed` with the output's tail when ``what`` ended with a non-zero exit code."""
     if returncode != 0:

@@ -57,6 +57,7 @@ def test_every_deliberate_bug_applies_to_the_code_as_it_is() -> None:
                 ast.parse(source)
             except SyntaxError as error:
                 problems.append(f"{mutation.name}: {relative} does not parse with the bug planted ({error})")
+    assert problems == []
 
 
 def _names(node: ast.expr | None) -> set[str]:

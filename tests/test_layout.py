@@ -44,17 +44,41 @@ def _modules() -> dict[str, ast.Module]:
     return modules
 
 
+def _lazy_exports() -> dict[str, str]:
+    """The package's public names and the module each is imported from on first use (``_PUBLIC`` in __init__)."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(target) for target in node.targets] == ["_PUBLIC"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("flair_fabric/__init__.py has no _PUBLIC")
+
+
+DYNAMIC_IMPORTS = ("importlib.import_module", "import_module", "__import__")
+
+
 def _imports(tree: ast.Module, name: str) -> set[str]:
-    """The flair_fabric modules a module imports, anywhere in it (``TYPE_CHECKING`` blocks and functions too)."""
-    found = set()
+    """The flair_fabric modules a module imports, anywhere in it (``TYPE_CHECKING`` blocks and functions too).
+    ``from flair_fabric import Name`` imports the module the package's lazy export of ``Name`` comes from (a plain
+    attribute of the package, ``__version__``, imports nothing more: the package is imported with any of its modules);
+    ``importlib.import_module("flair_fabric...")`` and ``__import__("flair_fabric...")`` import their module. Only the
+    package's own ``__getattr__`` may import a module whose name is not written out."""
+    found, exports = set(), _lazy_exports()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flair_fabric"):
+        if isinstance(node, ast.ImportFrom) and node.module == "flair_fabric":
+            found.update(exports.get(alias.name, f"flair_fabric.{alias.name}") for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flair_fabric"):
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)  # from package import module
         elif isinstance(node, ast.ImportFrom) and node.level:  # relative imports: not used in the package
             raise AssertionError(f"{name}: a relative import")
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("flair_fabric"))
+            found.update(alias.name for alias in node.names if alias.name.startswith("flair_fabric."))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in DYNAMIC_IMPORTS and node.args:
+            target = node.args[0]
+            if isinstance(target, ast.Constant) and isinstance(target.value, str):
+                if target.value.startswith("flair_fabric"):
+                    found.add(target.value)
+            else:
+                assert name == "flair_fabric", f"{name}:{node.lineno}: an import whose module is not written out"
     return found
 
 
@@ -79,7 +103,7 @@ def test_the_import_graph_has_no_cycle_type_checking_imports_included() -> None:
     def visit(name: str, path: list[str]) -> None:
         state[name] = "open"
         for imported in sorted(graph.get(name, ())):
-            if name == "flair_fabric" or imported == "flair_fabric":  # the package's lazy exports
+            if name == "flair_fabric":  # the package's lazy exports: imported on first use, by name
                 continue
             assert state.get(imported) != "open", " -> ".join([*path, imported])
             if imported not in state:
@@ -121,18 +145,57 @@ def _names(node: ast.expr) -> list[str]:
     return []
 
 
+def _strategy_classes(tree: ast.Module) -> set[str]:
+    """The names a module binds to a strategy class (``...Strategy``, a tuple of them ``...STRATEGIES``), aliases
+    included (``from ... import FlairFSDPStrategy as Sharded``)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name.split(".")[-1].endswith(("Strategy", "STRATEGIES")):
+                    bound.add(alias.asname or alias.name.split(".")[-1])
+    return bound
+
+
+def _is_strategy_class(node: ast.expr, aliases: set[str]) -> bool:
+    return any(name.endswith(("Strategy", "STRATEGIES")) or name in aliases for name in _names(node))
+
+
+def _mentions_a_strategy(node: ast.expr) -> bool:
+    """Whether an expression reads a strategy: a name or attribute called ``...strategy...``."""
+    return any(
+        "strategy" in (sub.id if isinstance(sub, ast.Name) else sub.attr).lower()
+        for sub in ast.walk(node)
+        if isinstance(sub, (ast.Name, ast.Attribute))
+    )
+
+
+def _asks_a_strategy(node: ast.AST, aliases: set[str]) -> bool:
+    if isinstance(node, ast.Call) and _names(node.func)[-1:] in (["isinstance"], ["issubclass"]):
+        return len(node.args) == 2 and (_is_strategy_class(node.args[1], aliases) or _mentions_a_strategy(node.args[0]))
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "type" and len(node.args) == 1:
+        return _mentions_a_strategy(node.args[0])
+    if isinstance(node, ast.Attribute) and node.attr == "__class__":
+        return _mentions_a_strategy(node.value)
+    if isinstance(node, ast.Compare):
+        return any(_is_strategy_class(part, aliases) for part in [node.left, *node.comparators])
+    return False
+
+
 def test_only_the_strategies_package_asks_which_strategy_it_has() -> None:
-    """Every isinstance (or issubclass) whose class is a strategy (``...Strategy``, a tuple of them, a name in capitals
-    ending in STRATEGIES) sits in strategies/."""
+    """Outside strategies/ nothing asks a strategy's type: no isinstance or issubclass against a strategy class
+    (``...Strategy``, a tuple ``...STRATEGIES``, an alias of one) or of a strategy object, no ``type(...)`` or
+    ``.__class__`` of a strategy (its name for a log line comes from ``strategies.strategy_name``), no comparison
+    with a strategy class."""
     asked = []
     for path in PACKAGE.rglob("*.py"):
         if "strategies" in path.relative_to(PACKAGE).parts:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and _names(node.func)[-1:] in (["isinstance"], ["issubclass"]):
-                classes = _names(node.args[1]) if len(node.args) == 2 else []
-                if any(name.endswith(("Strategy", "STRATEGIES")) for name in classes):
-                    asked.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+        tree = ast.parse(path.read_text())
+        aliases = _strategy_classes(tree)
+        asked.extend(
+            f"{path.relative_to(PACKAGE)}:{node.lineno}" for node in ast.walk(tree) if _asks_a_strategy(node, aliases)
+        )
     assert asked == []
 
 

@@ -3,28 +3,22 @@ predict or evaluate: the workers stop and are reaped, as for FabricTrainer (test
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from ..support import REPO, SCRIPTS, expect_success
-from .test_reliability import finish
+from ..support import SCRIPTS, expect_success
+from .test_reliability import finish, start_process
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _run(tmp_path: Path, job: str) -> object:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, str(SCRIPTS / "interrupted_jobs.py"), str(tmp_path), job]
     started = time.monotonic()
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
-    )
-    return finish(process, started, timeout=240)
+    return finish(start_process(command, tmp_path / "job"), started, timeout=240)
 
 
 def test_a_ctrl_c_to_the_caller_stops_the_language_model_workers_at_their_next_agreement(tmp_path: Path) -> None:

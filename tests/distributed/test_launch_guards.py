@@ -56,6 +56,19 @@ TORCHRUN_RANK_0 = {  # rank 0 of a 2-process torchrun job on one node, first att
     "TORCHELASTIC_USE_AGENT_STORE": "True",
 }
 
+SLURM_TASK_0 = {  # task 0 of a 2-task SLURM job on one node (srun --ntasks-per-node=2)
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_NNODES": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NAME": "flair-fabric-test",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29998",
+}
+
 
 @pytest.fixture
 def launch_stopped(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
@@ -69,7 +82,7 @@ def launch_stopped(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         raise _Launched
 
     monkeypatch.setattr(Fabric, "launch", launch)
-    for name in ("SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_PROCID", "LOCAL_RANK", *TORCHRUN_RANK_0):
+    for name in ("LOCAL_RANK", *SLURM_TASK_0, *TORCHRUN_RANK_0):
         monkeypatch.delenv(name, raising=False)
 
     def train(base_path: Path, **kwargs: Any) -> None:
@@ -92,8 +105,9 @@ def launch_stopped(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         ({}, {"strategy": "ddp_spawn", "collective_timeout": 7.0}),
         ({}, {"strategy": FlairDDPStrategy(timeout=SEVEN_SECONDS)}),
         (TORCHRUN_RANK_0, {"strategy": "ddp", "collective_timeout": 7}),
+        (SLURM_TASK_0, {"strategy": "ddp", "collective_timeout": 7}),
     ],
-    ids=["script-relaunch", "fork", "spawn", "strategy-object", "torchrun"],
+    ids=["script-relaunch", "fork", "spawn", "strategy-object", "torchrun", "slurm"],
 )
 def test_the_rendezvous_waits_at_most_the_collective_timeout(
     tmp_path: Path,
@@ -107,11 +121,13 @@ def test_the_rendezvous_waits_at_most_the_collective_timeout(
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
     launch_stopped(tmp_path, **arguments)
-    stores = 2 if environment else 1  # under torchrun: torchrun's agent store and the one rank 0 hosts
+    stores = 2 if environment is TORCHRUN_RANK_0 else 1  # under torchrun: its agent's store and the one rank 0 hosts
     assert _Store.timeouts == [SEVEN_SECONDS] * stores
 
 
-@pytest.mark.parametrize("environment", [{}, TORCHRUN_RANK_0], ids=["script-relaunch", "torchrun"])
+@pytest.mark.parametrize(
+    "environment", [{}, TORCHRUN_RANK_0, SLURM_TASK_0], ids=["script-relaunch", "torchrun", "slurm"]
+)
 def test_a_rank_that_is_the_scripts_own_process_destroys_its_process_group_at_exit(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -134,7 +150,7 @@ def test_a_rank_that_is_the_scripts_own_process_destroys_its_process_group_at_ex
     monkeypatch.setattr(atexit, "register", register)
     assert destroy_process_group_at_exit in registered, "no exit hook tears the process group down"
 
-    for name in environment:  # torchrun's variables would send the process group to torchrun's store
+    for name in environment:  # torchrun's or SLURM's variables would send the process group to their store
         monkeypatch.delenv(name)
     with socket.socket() as probe:  # a free port for a process group of one
         probe.bind(("127.0.0.1", 0))

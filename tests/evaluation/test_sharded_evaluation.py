@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import random
 import signal
@@ -82,6 +83,10 @@ def _shape(text: str) -> str:
 def _cases(folder: Path) -> list[Case]:
     trec = small_trec()
     text = tiny_text_classifier(trec, model_class=CountingTextClassifier)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # as built, it predicts one class for everything: labels put back wrongly would not show
+        for parameter in text.parameters():
+            parameter.normal_(std=3.0, generator=generator)
     own = tiny_text_classifier(trec, model_class=OwnEvaluateClassifier)
 
     multi_corpus = small_trec(seed=5)
@@ -111,11 +116,28 @@ def _cases(folder: Path) -> list[Case]:
     ]
 
 
+def _options(case: Case) -> dict[str, Any]:
+    """flair's evaluate arguments other than the defaults: the macro F1, the case's most common class excluded."""
+    most_common = Counter(label.value for sentence in case.data for label in sentence.get_labels(case.label_type))
+    return {"main_evaluation_metric": ("macro avg", "f1-score"), "exclude_labels": [most_common.most_common(1)[0][0]]}
+
+
 def _evaluate_every_case(fabric: Fabric, job: tuple[Path, list[Case]]) -> dict[str, Result]:
-    """On each rank: every case at every size; the texts each rank predicted go to a file per rank."""
+    """On each rank: every case at every size (the text case with flair's other arguments too); the texts each rank
+    predicted go to a file per rank."""
     out, cases = job
     results = {}
     for case in cases:
+        if case.name == "text":
+            results["text-options"] = evaluate_across_ranks(
+                fabric,
+                case.model,
+                case.split(len(case.data)),
+                out_path=None,
+                gold_label_type=case.label_type,
+                mini_batch_size=BATCH,
+                **_options(case),
+            )
         case.model.predicted_texts.clear()
         for size in SIZES:
             results[f"{case.name}-{size}"] = evaluate_across_ranks(
@@ -129,6 +151,19 @@ def _evaluate_every_case(fabric: Fabric, job: tuple[Path, list[Case]]) -> dict[s
     predicted = {case.name: case.model.predicted_texts for case in cases}
     (out / f"predicted-rank{fabric.global_rank}.json").write_text(json.dumps(predicted))
     return results
+
+
+class _OwnEvaluateWarnings(logging.Handler):
+    """The level of every "overrides flair's evaluate" record, from whichever process (forked ranks inherit it)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overrides flair's evaluate" in record.getMessage():
+            with open(self.path, "a", encoding="utf-8") as stream:
+                stream.write(json.dumps([record.levelname, os.getpid()]) + "\n")
 
 
 def _assert_same_result(sharded: Result, single: Result) -> None:
@@ -145,10 +180,34 @@ def _assert_same_result(sharded: Result, single: Result) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world_size: int, tmp_path: Path) -> None:
     cases = _cases(tmp_path)
+    # two jobs, each checked before the next starts: labels on sentences, then on tokens and spans
+    for job in (cases[:2] + cases[4:], cases[2:4]):
+        _assert_equals_flair_and_predicts_each_data_point_once(world_size, job, tmp_path)
+
+
+def _assert_equals_flair_and_predicts_each_data_point_once(world_size: int, cases: list[Case], tmp_path: Path) -> None:
     config = make_launch_config(
         accelerator="cpu", devices=world_size, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
     )
-    sharded = run_on_ranks(config, _evaluate_every_case, (tmp_path, cases), result_types=(Result,))
+    warnings = _OwnEvaluateWarnings(tmp_path / "own-evaluate-warnings.jsonl")  # forked ranks inherit it
+    logging.getLogger("flair").addHandler(warnings)
+    try:
+        sharded = run_on_ranks(config, _evaluate_every_case, (tmp_path, cases), result_types=(Result,))
+    finally:
+        logging.getLogger("flair").removeHandler(warnings)
+    if any(case.name == "own_evaluate" for case in cases):  # docs/launching.md: "with a warning", once per evaluation
+        written = warnings.path.read_text().splitlines() if warnings.path.exists() else []
+        levels = [json.loads(line)[0] for line in written]
+        assert levels == ["WARNING"] * len(SIZES), levels
+    if "text-options" in sharded:  # flair's evaluate arguments reach flair's evaluate on rank 0
+        text = cases[0]
+        single = text.model.evaluate(
+            text.split(len(text.data)), text.label_type, mini_batch_size=BATCH, **_options(text)
+        )
+        defaults = text.model.evaluate(text.split(len(text.data)), text.label_type, mini_batch_size=BATCH)
+        assert len({sentence.get_label("predicted").value for sentence in text.data}) > 1, "the predictions vary"
+        assert (single.main_score, single.detailed_results) != (defaults.main_score, defaults.detailed_results)
+        _assert_same_result(sharded["text-options"], single)
 
     predicted = [json.loads((tmp_path / f"predicted-rank{rank}.json").read_text()) for rank in range(world_size)]
     for case in cases:
@@ -158,8 +217,18 @@ def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world
         assert sum(per_rank, Counter()) == expected_texts, case.name
         if case.name == "own_evaluate":  # not shardable: rank 0 predicts everything
             assert all(not counts for counts in per_rank[1:])
-        else:  # whole batches of 2 dealt round robin: every rank gets work from the 8-point split
-            assert all(counts for counts in per_rank), case.name
+        else:  # whole batches of 2 dealt round robin: batch b of each split is predicted by rank b % N
+            dealt = [
+                Counter(
+                    sentence.to_original_text()
+                    for size in SIZES
+                    for number, start in enumerate(range(0, size, BATCH))
+                    if number % world_size == rank
+                    for sentence in case.data[start : min(start + BATCH, size)]
+                )
+                for rank in range(world_size)
+            ]
+            assert per_rank == dealt, case.name
 
         for size in SIZES:
             single = case.model.evaluate(
@@ -173,43 +242,43 @@ def test_sharded_evaluation_equals_flair_and_predicts_each_data_point_once(world
             assert written == (tmp_path / f"{case.name}-{size}-single.tsv").read_bytes(), f"{case.name}-{size}"
 
 
-def _ranks_disagree(fabric: Fabric, job: tuple[Path, Case]) -> dict:
-    """Each rank: flair's and FabricTrainer's train sample under different random states; then evaluations of data
-    that differ on rank 1 (reordered, shorter)."""
-    out, case = job
-    corpus = small_trec()
-    random.seed(1000 + fabric.global_rank)
-    flair_sample = ModelTrainer(case.model, corpus)._sample_train_split(0.25).indices
-    random.seed(1000 + fabric.global_rank)
-    fabric_sample = sample_on_global_zero(fabric, ModelTrainer(case.model, corpus)._sample_train_split(0.25)).indices
-    (out / f"samples-rank{fabric.global_rank}.json").write_text(json.dumps([flair_sample, fabric_sample]))
+def _ranks_disagree(fabric: Fabric, job: tuple[Path, Case, str]) -> Result:
+    """Each rank: flair's and FabricTrainer's train sample under different random states (once); then the evaluation
+    of data that differ on rank 1 (``how``: reordered, shorter)."""
+    out, case, how = job
+    if how == "reordered":
+        corpus = small_trec()
+        random.seed(1000 + fabric.global_rank)
+        flair_sample = ModelTrainer(case.model, corpus)._sample_train_split(0.25).indices
+        random.seed(1000 + fabric.global_rank)
+        fabric_sample = sample_on_global_zero(fabric, ModelTrainer(case.model, corpus)._sample_train_split(0.25))
+        (out / f"samples-rank{fabric.global_rank}.json").write_text(json.dumps([flair_sample, fabric_sample.indices]))
 
     data = case.data
     on_this_rank = {"reordered": data[::-1], "shorter": data[:3]} if fabric.global_rank == 1 else {}
-    return {
-        name: evaluate_across_ranks(
-            fabric,
-            case.model,
-            FlairDatapointDataset(on_this_rank.get(name, data)),
-            out_path=None,
-            gold_label_type=case.label_type,
-            mini_batch_size=BATCH,
-        )
-        for name in ("reordered", "shorter")
-    }
+    return evaluate_across_ranks(
+        fabric,
+        case.model,
+        FlairDatapointDataset(on_this_rank.get(how, data)),
+        out_path=None,
+        gold_label_type=case.label_type,
+        mini_batch_size=BATCH,
+    )
 
 
 @pytest.mark.multiprocess
 def test_ranks_that_hold_different_data_never_give_a_wrong_number(tmp_path: Path) -> None:
     case = _cases(tmp_path)[0]
-    config = make_launch_config(
-        accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
-    )
-    results = run_on_ranks(config, _ranks_disagree, (tmp_path, case), result_types=(Result,))
-    # rank 1 predicted other sentences than rank 0 would deal it: rank 0 evaluates everything itself
     single = case.model.evaluate(case.split(len(case.data)), case.label_type, mini_batch_size=BATCH)
-    for name in ("reordered", "shorter"):
-        _assert_same_result(results[name], single)
+    # rank 1 predicted other sentences than rank 0 would deal it: rank 0 evaluates everything itself. One job each,
+    # each checked before the next starts
+    for how in ("reordered", "shorter"):
+        config = make_launch_config(
+            accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None, use_amp=False
+        )
+        _assert_same_result(
+            run_on_ranks(config, _ranks_disagree, (tmp_path, case, how), result_types=(Result,)), single
+        )
 
     # the monitor_train_sample split: flair draws it from each rank's own random state, FabricTrainer from rank 0's
     (flair0, fabric0), (flair1, fabric1) = (
@@ -299,9 +368,10 @@ def test_whole_batches_are_dealt_round_robin(size: int, batch_size: int, world_s
     indices = sorted(index for batches in dealt for _, batch in batches for index in batch)
     assert numbers == list(range(-(-size // batch_size)))
     assert indices == list(range(size))
-    for batches in dealt:
+    for rank, batches in enumerate(dealt):
         for number, batch in batches:  # the same batches flair's DataLoader makes in one process
             assert list(batch) == list(range(number * batch_size, min((number + 1) * batch_size, size)))
+            assert number % world_size == rank, (number, rank)  # batch b on rank b % N
 
 
 def test_models_with_their_own_evaluate_are_not_sharded() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,10 +15,18 @@ from typing import Any
 
 import pytest
 import torch
+from flair.trainers import ModelTrainer
 
-from flair_fabric import FabricTrainer
-
-from ..support import REPO, SCRIPTS, RunCrashed, RunHung, small_trec, state_dict_difference, tiny_text_classifier
+from ..support import (
+    REPO,
+    SCRIPTS,
+    RunCrashed,
+    RunHung,
+    expect_success,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+)
 from .network import REQUIRED, Host, hosts_on_a_network, skip_without_namespaces
 
 pytestmark = pytest.mark.multiprocess
@@ -44,13 +53,18 @@ def _finish(processes: list[Any], timeout: float = 180) -> list[tuple[int, str]]
     return finished
 
 
-def _union_weights(epochs: int) -> dict[str, torch.Tensor]:
-    """One process on the union of the two hosts' batches (the reference)."""
+def _union_weights(epochs: int, folder: Path) -> dict[str, torch.Tensor]:
+    """flair's own trainer in one process on the union of the two hosts' batches (the reference)."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     kwargs = {**UNION, "mini_batch_size": 8, "max_epochs": epochs, "save_final_model": False}
-    FabricTrainer(model, corpus).train(Path(os.environ.get("TMPDIR", "/tmp")) / f"union-{os.getpid()}", **kwargs)
+    ModelTrainer(model, corpus).train(folder / f"union-{epochs}", **kwargs)
     return model.state_dict()
+
+
+def _expect_success(finished: list[tuple[int, str]]) -> None:
+    for node, (code, output) in enumerate(finished):
+        expect_success(code, f"the job on host {node}", output)
 
 
 def _listening(host: Host) -> list[tuple[str, int]]:
@@ -80,12 +94,12 @@ def test_two_hosts_train_like_one_process_on_the_union_and_resume_from_host_0s_c
         first = {**UNION, "max_epochs": 2, "devices": 1, "num_nodes": 2, "strategy": "ddp", "collective_timeout": 30}
         first["checkpoint_every_n_steps"] = 4
         outcomes = _finish([_start(host, 2, node, master, first) for node, host in enumerate(hosts)])
-        assert [code for code, _ in outcomes] == [0, 0], outcomes[0][1][-3000:] + outcomes[1][1][-3000:]
         assert "collectives on ffeth0 (gloo) / ffeth0 (NCCL): the interface that reaches" in outcomes[0][1]
+        _expect_success(outcomes)
 
         weights = [torch.load(host.folder / "results" / f"weights-rank{i}.pt") for i, host in enumerate(hosts)]
         assert state_dict_difference(weights[0], weights[1]) == 0.0
-        assert state_dict_difference(weights[0], _union_weights(2)) < 1e-5
+        assert state_dict_difference(weights[0], _union_weights(2, tmp_path)) < 1e-5
         assert {path.name for path in (hosts[0].folder / "run").iterdir()} >= {"loss.tsv", "checkpoints"}
         assert not (hosts[1].folder / "run").exists() or not list((hosts[1].folder / "run").iterdir())
 
@@ -95,10 +109,10 @@ def test_two_hosts_train_like_one_process_on_the_union_and_resume_from_host_0s_c
 
         second = {**first, "max_epochs": 3, "resume_from": "auto"}
         outcomes = _finish([_start(host, 2, node, master, second) for node, host in enumerate(hosts)])
-        assert [code for code, _ in outcomes] == [0, 0], outcomes[0][1][-3000:] + outcomes[1][1][-3000:]
+        _expect_success(outcomes)
         assert "resumed from" in outcomes[0][1]
         resumed = torch.load(hosts[0].folder / "results" / "weights-rank0.pt")
-        assert state_dict_difference(resumed, _union_weights(3)) < 1e-5
+        assert state_dict_difference(resumed, _union_weights(3, tmp_path)) < 1e-5
 
 
 @pytest.mark.parametrize("start", ["script relaunch", "ddp_spawn", "ddp_fork", "torchrun --nnodes=1"])
@@ -116,8 +130,7 @@ def test_a_one_machine_job_listens_on_loopback_only(tmp_path: Path, start: str) 
             strategy = "ddp" if start == "script relaunch" else start
             config.write_text(json.dumps({"out": str(host.folder), "kwargs": {**kwargs, "strategy": strategy}}))
             process = host.start([sys.executable, str(SCRIPTS / "host_training.py"), str(config)], ENV)
-        [(code, output)] = _finish([process])
-        assert code == 0, output[-4000:]
+        _expect_success(_finish([process]))
         listening = _listening(host)
         outside = [
             (a, p) for a, p in listening if not _is_loopback(a) and not (start.startswith("torchrun") and p == PORT)
@@ -147,15 +160,17 @@ def test_a_lost_host_ends_the_job_within_the_collective_timeout_and_host_0_resum
         kwargs |= {"collective_timeout": timeout, "checkpoint_every_n_steps": 3}
         master = hosts[0].address
         started = [_start(host, 2, node, master, kwargs, kill_at=10, kill_node=1) for node, host in enumerate(hosts)]
-        began = time.monotonic()
         try:
             code, output = _finish(started[:1], timeout=timeout * 10)[0]
         except subprocess.TimeoutExpired:
             raise RunHung(f"host 0's job still runs {timeout * 10} s after host 1 was lost") from None
+        ended = time.time()
         assert code != 0
-        assert time.monotonic() - began < 90, "the job did not end within the collective timeout"
+        lost = float((hosts[1].folder / "results" / "link-down.txt").read_text())
+        # docs/launching.md: the collective timeout, then the job's end (torchrun stopping its agent: measured 2-3 s)
+        assert ended - lost < timeout + 6, f"host 0's job ended {ended - lost:.1f} s after host 1 was lost"
         assert f"waited longer than collective_timeout ({timeout} s)" in output, output[-4000:]
-        assert "global rank 0 of 2" in output
+        assert re.search(r"global rank 0 of 2 waited .* in epoch 2, step \d+", output), output[-4000:]
         hosts[1].end_everything()
         leftover = subprocess.run(["ip", "netns", "pids", hosts[0].namespace], capture_output=True, text=True).stdout
         assert not leftover.split(), f"processes left on host 0: {leftover}"
@@ -163,13 +178,12 @@ def test_a_lost_host_ends_the_job_within_the_collective_timeout_and_host_0_resum
         alone = {**UNION, "mini_batch_size": 8, "max_epochs": 2, "devices": 1, "resume_from": "auto"}
         config = hosts[0].folder / "alone.json"
         config.write_text(json.dumps({"out": str(hosts[0].folder), "kwargs": alone}))
-        [(code, output)] = _finish(
-            [hosts[0].start([sys.executable, str(SCRIPTS / "host_training.py"), str(config)], ENV)]
-        )
-        assert code == 0, output[-4000:]
+        finished = _finish([hosts[0].start([sys.executable, str(SCRIPTS / "host_training.py"), str(config)], ENV)])
+        _expect_success(finished)
+        output = finished[0][1]
         assert "resuming a checkpoint of 2 process(es) on 1" in output and "after step 3 of epoch 2" in output
         resumed = torch.load(hosts[0].folder / "results" / "weights-rank0.pt")
-        assert state_dict_difference(resumed, _union_weights(2)) < 1e-5
+        assert state_dict_difference(resumed, _union_weights(2, tmp_path)) < 1e-5
 
 
 @pytest.mark.parametrize("required", ["1", None])

@@ -4,6 +4,7 @@ short for the columns of the whole run."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import shutil
 from dataclasses import dataclass
@@ -11,10 +12,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import lightning.fabric.accelerators.cuda as lightning_cuda
 import pytest
 import torch
 from flair.trainers.language_model_trainer import LanguageModelTrainer, TextCorpus
 from lightning.fabric import Fabric
+from lightning.fabric.accelerators import CUDAAccelerator
+from lightning.fabric.strategies import DeepSpeedStrategy
 
 from flair_fabric import FabricLanguageModelTrainer, FabricTrainer
 from flair_fabric.language_model.arguments import LanguageModelArguments
@@ -93,7 +97,8 @@ def test_collective_timeout_and_the_launch_arguments_reach_the_launch(
     corpus: TextCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """collective_timeout (seconds or a timedelta) is the timeout of the launch and of DDP's process group, as for
-    FabricTrainer; devices and strategy give the Fabric that starts the ranks."""
+    FabricTrainer; devices, num_nodes and strategy give the Fabric that starts the ranks (and the columns of the
+    run)."""
     trainer = FabricLanguageModelTrainer(tiny_language_model(corpus), corpus)
     options = {**LM_OPTIONS, "base_path": tmp_path, "mini_batch_size": 2, "accelerator": "cpu"}
     for timeout in (45, timedelta(minutes=3)):
@@ -103,6 +108,9 @@ def test_collective_timeout_and_the_launch_arguments_reach_the_launch(
         assert launch.arguments.launch.collective_timeout == expected
         assert launch.fabric.strategy._timeout == expected, "DDP's process group"  # type: ignore[attr-defined]
         assert launch.fabric.world_size == 2 and launch.fabric.strategy.launcher._start_method == "fork"  # type: ignore[attr-defined]
+    nodes = _launch_of(monkeypatch, trainer, **options, devices=2, num_nodes=2, strategy="ddp_fork")
+    assert nodes.arguments.launch.num_nodes == 2, "num_nodes reaches the launch"
+    assert nodes.fabric.world_size == 4 and nodes.arguments.global_batch == 8, "2 machines x 2 processes x 2 columns"
 
 
 def test_use_amp_trains_in_fabrics_mixed_precision_as_flairs_autocast_does(
@@ -118,6 +126,53 @@ def test_use_amp_trains_in_fabrics_mixed_precision_as_flairs_autocast_does(
     assert amp.fabric.strategy.precision.precision == "bf16-mixed"  # type: ignore[attr-defined]
     plain = _launch_of(monkeypatch, trainer, **options)
     assert plain.fabric.strategy.precision.precision == "32-true"  # type: ignore[attr-defined]
+
+
+def _one_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has one CUDA device, as Lightning and flair-fabric see it (nothing may run on it: only the launch
+    is resolved)."""
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr(CUDAAccelerator, "auto_device_count", staticmethod(lambda: 1))
+    monkeypatch.setattr(lightning_cuda, "_get_all_visible_cuda_devices", lambda: [0])
+    monkeypatch.setattr(lightning_cuda, "num_cuda_devices", lambda: 1)
+
+
+def test_on_a_cuda_device_use_amp_is_16_mixed_and_16_true_is_refused(
+    corpus: TextCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a CUDA device use_amp=True goes to Fabric as precision '16-mixed' (flair's autocast there is float16), as
+    for FabricTrainer; precision='16-true', which casts the whole model, is refused before any process starts with
+    the fix (a CUDA device as Lightning sees it; the launch is resolved, nothing runs)."""
+    _one_cuda_device(monkeypatch)
+    launched: list[LaunchConfig] = []
+    monkeypatch.setattr(language_model_trainer, "run_job", lambda job, launch: launched.append(launch))
+    trainer = FabricLanguageModelTrainer(tiny_language_model(corpus), corpus)
+    options = {**LM_OPTIONS, "base_path": tmp_path, "mini_batch_size": 2, "accelerator": "cuda", "devices": 1}
+    trainer.train(**options, use_amp=True)
+    assert [launch.precision for launch in launched] == ["16-mixed"]
+    no_process_may_start(monkeypatch)
+    fix = r"pass precision='32-true', 'bf16-mixed' or, on a GPU, '16-mixed'"
+    with pytest.raises(ValueError, match=r"precision='16-true' \(16-true\) casts the whole model.*" + fix):
+        trainer.train(**options, precision="16-true")
+
+
+def test_a_deepspeed_launch_is_refused_before_any_process_starts(
+    corpus: TextCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the deepspeed package is installed (not here: there strategy='deepspeed' is refused for that, see
+    test_bad_input_is_refused_before_any_process_starts), the launch resolves to Lightning's DeepSpeedStrategy, which
+    the language-model trainer refuses, naming the DDP family (the launch made so here)."""
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # not set up: the package is not installed
+    make_launch_config = language_model_trainer.make_launch_config
+
+    def resolved_to_deepspeed(**arguments: Any) -> LaunchConfig:
+        return dataclasses.replace(make_launch_config(**{**arguments, "strategy": "ddp_fork"}), strategy=deepspeed)
+
+    monkeypatch.setattr(language_model_trainer, "make_launch_config", resolved_to_deepspeed)
+    no_process_may_start(monkeypatch)
+    options = {**LM_OPTIONS, "mini_batch_size": 2, "accelerator": "cpu", "devices": 2}
+    with pytest.raises(ValueError, match=r"strategy='deepspeed': FabricLanguageModelTrainer trains with DDP"):
+        FabricLanguageModelTrainer(tiny_language_model(corpus), corpus).train(tmp_path, strategy="deepspeed", **options)
 
 
 def test_resume_from_takes_auto_a_run_folder_or_a_checkpoint_folder(
@@ -150,39 +205,44 @@ def test_a_job_restarted_by_torchrun_resumes_by_itself(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert _launch_of(monkeypatch, trainer, **options).arguments.resume_folder is None, "no checkpoint yet"
     shutil.copytree(earlier_run / "checkpoints", tmp_path / "checkpoints")
-    resumed = _launch_of(monkeypatch, trainer, **options).arguments.resume_folder
-    assert resumed is not None and resumed.parent.resolve() == (tmp_path / "checkpoints").resolve()
+    for restarts in ("1", "3"):  # the first restart, and a later one
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+        resumed = _launch_of(monkeypatch, trainer, **options).arguments.resume_folder
+        assert resumed is not None and resumed.parent.resolve() == (tmp_path / "checkpoints").resolve(), restarts
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert _launch_of(monkeypatch, trainer, **options).arguments.resume_folder is None, "the first start"
 
 
-def _corpus_with_a_short_file(folder: Path, short: str, characters: int) -> TextCorpus:
+def _corpus_with_a_short_file(folder: Path, short: str, characters: int, accented: bool = False) -> TextCorpus:
     """:func:`tiny_corpus` (held-out splits of 1200 characters, train splits of 3000) with ``short`` cut to its
-    first ``characters`` characters (the last a line end)."""
+    first ``characters`` characters (the last a line end); ``accented``: all of them "é" instead (two bytes each in
+    UTF-8: the file has nearly twice as many bytes as characters)."""
     write_tiny_corpus(folder)
-    dictionary = character_dictionary(folder)
     path = folder / short
     text = path.read_text(encoding="utf-8")[: characters - 1] + "\n"  # flair ends every line with one
-    assert len(text.encode("utf-8")) == characters, "plain ASCII text"
+    if accented:
+        text = "é" * (characters - 1) + "\n"
+    assert len(text) == characters and len(text.encode("utf-8")) == (2 * characters - 1 if accented else characters)
     path.write_text(text, encoding="utf-8")
-    return TextCorpus(folder, dictionary, forward=True, character_level=True)
+    return TextCorpus(folder, character_dictionary(folder), forward=True, character_level=True)
 
 
 SHORT = [
-    ("valid.txt", r"the validation split \(valid.txt\) has 300 characters"),
-    ("test.txt", r"the test split \(test.txt\) has 300 characters"),
-    ("train/train_split_2", r"the train split \S+train_split_2 has 300 characters"),
+    ("valid.txt", r"the validation split \(valid.txt\) has 300 characters", False),
+    ("test.txt", r"the test split \(test.txt\) has 300 characters", False),
+    ("train/train_split_2", r"the train split \S+train_split_2 has 300 characters", False),
+    ("train/train_split_2", r"the train split \S+train_split_2 has 300 characters", True),  # 599 bytes
 ]
 
 
-@pytest.mark.parametrize(("short", "message"), SHORT)
+@pytest.mark.parametrize(("short", "message", "accented"), SHORT)
 def test_text_shorter_than_two_characters_per_column_of_the_run_is_refused_before_any_process_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: str, message: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: str, message: str, accented: bool
 ) -> None:
     """2 processes x mini_batch_size 100 are 200 columns: a split (or split file) of 300 characters is refused
     before a Fabric is built or a process started (it has enough for the 100 columns of one process), with the
-    arguments and the fix."""
-    corpus = _corpus_with_a_short_file(tmp_path / "corpus", short, 300)
+    arguments and the fix; characters are counted, not bytes (a split file of 300 "é" has 599 bytes)."""
+    corpus = _corpus_with_a_short_file(tmp_path / "corpus", short, 300, accented)
     no_process_may_start(monkeypatch)
     fix = r": with mini_batch_size=100 on 2 process\(es\) it needs at least 400 \(two per column\); use a smaller"
     options = {**LM_OPTIONS, "mini_batch_size": 100, "accelerator": "cpu", "devices": 2, "strategy": "ddp_fork"}
@@ -190,12 +250,12 @@ def test_text_shorter_than_two_characters_per_column_of_the_run_is_refused_befor
         FabricLanguageModelTrainer(tiny_language_model(corpus), corpus).train(tmp_path / "run", **options)
 
 
-@pytest.mark.parametrize("short", [short for short, _ in SHORT])
+@pytest.mark.parametrize(("short", "accented"), [(short, accented) for short, _, accented in SHORT])
 def test_two_characters_per_column_of_the_run_are_enough(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, short: str, accented: bool
 ) -> None:
     """400 characters fill the 200 columns of 2 processes x mini_batch_size 100 twice: the run starts."""
-    corpus = _corpus_with_a_short_file(tmp_path / "corpus", short, 400)
+    corpus = _corpus_with_a_short_file(tmp_path / "corpus", short, 400, accented)
     trainer = FabricLanguageModelTrainer(tiny_language_model(corpus), corpus)
     options = {**LM_OPTIONS, "mini_batch_size": 100, "accelerator": "cpu", "devices": 2, "strategy": "ddp_fork"}
     assert _launch_of(monkeypatch, trainer, base_path=tmp_path / "run", **options).fabric.world_size == 2

@@ -37,9 +37,16 @@ def test_fork_after_cuda_was_initialised_is_refused(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(launch_module, "cuda_is_initialized", lambda: True)
     corpus = small_trec()
     trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
+    fix = (
+        r"cannot fork worker processes: CUDA is already initialised.*Set flair.device = torch.device\('cpu'\)"
+        r" \(or FLAIR_DEVICE=cpu\) before building the model.*or use strategy='ddp_spawn' in a script"
+    )
     for strategy in ("ddp_fork", "ddp_notebook"):
-        with pytest.raises(RuntimeError, match=r"cannot fork worker processes: CUDA is already initialised"):
+        with pytest.raises(RuntimeError, match=fix):
             trainer.train(tmp_path, accelerator="cpu", devices=2, strategy=strategy)
+        # whatever the accelerator: GPU workers are refused the same way
+        with pytest.raises(RuntimeError, match=fix):
+            launch_module.check_start_method(_resolved(strategy, "cuda"), None, "cuda")
     assert trainer.fabric is None
 
 
@@ -102,6 +109,8 @@ TORCHRUN_ENV = {
     [
         ({"devices": 3, "num_nodes": 2}, r"devices=3, but torchrun started 4 process\(es\), 2 per node.*devices=2"),
         ({"devices": 2}, r"num_nodes=1, but torchrun started 4 process\(es\).*pass num_nodes=2"),
+        ({"devices": 2, "num_nodes": 3}, r"num_nodes=3, but torchrun started 4 process\(es\).*pass num_nodes=2"),
+        ({"devices": 1, "num_nodes": 2}, r"devices=1, but torchrun started 4 process\(es\), 2 per node.*devices=2"),
         ({"num_nodes": 2, "strategy": "ddp_spawn"}, r"the processes exist already.*use strategy='ddp'"),
     ],
 )
@@ -130,6 +139,8 @@ def test_slurm_mismatch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=r"devices=2, but SLURM started 3 task\(s\) on 1 node\(s\).*devices=3"):
         _config(devices=2)
+    with pytest.raises(ValueError, match=r"num_nodes=2, but SLURM started 3 task\(s\) on 1 node\(s\).*num_nodes=1"):
+        _config(devices=3, num_nodes=2)
     assert _config(devices="auto").devices == 3
 
 
@@ -144,10 +155,18 @@ def test_strategy_names_and_auto_choice(monkeypatch: pytest.MonkeyPatch) -> None
         assert isinstance(strategy, FlairDDPStrategy) and strategy.start_method == start_method
     assert _config(devices=1).strategy == "auto"
     assert _config().strategy.start_method == "popen"  # type: ignore[union-attr]
+    # docs/notebooks.md: in a notebook "auto" forks (resolved without the start-method checks, so that a wrong
+    # choice shows here as a wrong start method, not as a refusal)
+    interactive = resolve_strategy(
+        "auto", world_size=2, accelerator="cpu", launched=False, interactive=True, timeout=timedelta(seconds=9)
+    )
+    assert isinstance(interactive, FlairDDPStrategy) and interactive.start_method == "fork"
     monkeypatch.setattr(launch_module, "is_interactive", lambda: True)
     assert _config().strategy.start_method == "fork"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"relaunches the running script.*use strategy='ddp_notebook'"):
         _config(strategy="ddp")
+    with pytest.raises(ValueError, match=r"starts fresh Python processes.*use strategy='ddp_notebook'"):
+        _config(strategy="ddp_spawn")
 
 
 @pytest.mark.parametrize(

@@ -55,25 +55,38 @@ def test_rank_zero_stops_the_processes_it_started() -> None:
     assert started.wait(timeout=10) == -signal.SIGKILL
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM])
-def test_the_first_signal_is_held_the_second_one_interrupts(signal_number: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (signal.SIGINT, signal.SIGINT),
+        (signal.SIGTERM, signal.SIGTERM),
+        (signal.SIGINT, signal.SIGTERM),
+        (signal.SIGTERM, signal.SIGINT),
+    ],
+    ids=["SIGINT-SIGINT", "SIGTERM-SIGTERM", "SIGINT-SIGTERM", "SIGTERM-SIGINT"],
+)
+def test_the_first_signal_is_held_the_second_one_interrupts(first: signal.Signals, second: signal.Signals) -> None:
+    """The first SIGINT or SIGTERM is held (training goes on until the ranks agree); a second one, the same signal or
+    the other, raises KeyboardInterrupt at once."""
     received: list[str] = []
 
     def not_held(signum: int, frame: object) -> None:  # what runs if the block leaves this signal alone
         raise AssertionError(f"{signal.Signals(signum).name} was not held by graceful_interrupts")
 
-    before = signal.signal(signal_number, not_held)  # (instead of the default action, which ends pytest itself)
+    before = {number: signal.signal(number, not_held) for number in (signal.SIGINT, signal.SIGTERM)}
+    # (instead of the default actions, which end pytest itself)
     with pytest.raises(KeyboardInterrupt, match="received a second time"), graceful_interrupts(received.append):
-        os.kill(os.getpid(), signal_number)
+        os.kill(os.getpid(), first)
         time.sleep(0.1)  # the handler runs here; training would go on until the ranks agree
-        assert received == [signal_number.name]
-        os.kill(os.getpid(), signal_number)
+        assert received == [first.name]
+        os.kill(os.getpid(), second)
         time.sleep(1)
-    assert signal.getsignal(signal_number) is not_held, "the previous handler is back after the block"
-    signal.signal(signal_number, before)
+    assert all(signal.getsignal(number) is not_held for number in before), "the previous handlers are back"
+    for number, handler in before.items():
+        signal.signal(number, handler)
 
 
-@pytest.mark.parametrize("arrival", ["passed on first", "both at once"])
+@pytest.mark.parametrize("arrival", ["passed on first", "itself first", "both at once"])
 def test_one_ctrl_c_that_reaches_a_worker_itself_and_passed_on_is_held_once(arrival: str) -> None:
     """A Ctrl-C in a terminal reaches a worker itself and, passed on by its caller, as FORWARDED_SIGNAL; the worker
     may handle either first (under load both are pending at once, and one handler runs inside the other). Only a
@@ -84,9 +97,12 @@ def test_one_ctrl_c_that_reaches_a_worker_itself_and_passed_on_is_held_once(arri
     with pytest.raises(KeyboardInterrupt, match="SIGINT received a second time"), graceful_interrupts(received.append):
         if arrival == "both at once":
             signal.pthread_sigmask(signal.SIG_BLOCK, ctrl_c)
-        os.kill(os.getpid(), FORWARDED_SIGNAL)
+        first, then = (FORWARDED_SIGNAL, signal.SIGINT)
+        if arrival == "itself first":
+            first, then = then, first
+        os.kill(os.getpid(), first)
         time.sleep(0.1)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), then)
         time.sleep(0.1)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, ctrl_c)
         time.sleep(0.1)

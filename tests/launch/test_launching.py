@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 
+import flair_fabric.launch.runner as runner_module
 from flair_fabric import FabricTrainer
 
 from ..plugin_support import ListeningSockets
@@ -117,8 +120,11 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        plugins=[ListeningSockets(tmp_path)],
+        plugins=[ListeningSockets(tmp_path), _AddsItsRank()],
     )
+    # train returns rank 0's dictionary: flair's test score (the script relaunch's) and what a plugin added there
+    relaunched = json.loads((two_rank_runs / "union" / "summary-rank0.json").read_text())["result"]["test_score"]
+    assert result == {"test_score": relaunched, "added_by_plugin": 0}
     # nothing the run opened can be reached from another host: the store this process hosts, the workers' gloo
     listening = json.loads((tmp_path / "listening.json").read_text())
     assert listening and all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
@@ -128,43 +134,64 @@ def test_spawn_and_fork_train_the_same_weights_as_the_script_relaunch(
     assert state_dict_difference(model.state_dict(), _final_weights(two_rank_runs / "union", 0)) <= 1e-6
     written = TextClassifier.load(tmp_path / "final-model.pt")
     assert state_dict_difference(model.state_dict(), written.state_dict()) == 0.0
-    assert (
-        result["test_score"]
-        == json.loads((two_rank_runs / "union" / "summary-rank0.json").read_text())["result"]["test_score"]
-    )
     # and it is in the state flair's trainer leaves a model in: eval mode, a model card, its device
     reference = tiny_text_classifier(corpus)
     ModelTrainer(reference, corpus).train_custom(tmp_path / "flair", **UNION, mini_batch_size=8)
     assert model.training is reference.training is False
     assert model.model_card is not None and set(model.model_card) == set(reference.model_card)
-    assert (
-        model.model_card["training_parameters"]["max_epochs"]
-        == reference.model_card["training_parameters"]["max_epochs"]
-    )
+    parameters_card = model.model_card.get("training_parameters", {})
+    assert parameters_card.get("max_epochs") == reference.model_card["training_parameters"]["max_epochs"] == 3
     assert next(model.parameters()).device == next(reference.parameters()).device
     # docs/notebooks.md: the model keeps its device: the trained weights are copied into its own parameters (on the
     # caller's flair.device), not replaced by the workers' CPU tensors
     assert all(mine is kept for mine, kept in zip(parameters, model.parameters(), strict=True)), "parameters replaced"
 
 
-def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(tmp_path: Path) -> None:
+class _AddsItsRank(TrainerPlugin):
+    """Adds the rank it ran on to the trainer's return values after the last epoch (on every rank)."""
+
+    @TrainerPlugin.hook
+    def after_training_loop(self, **kw: Any) -> None:
+        self.trainer.return_values["added_by_plugin"] = self.trainer.global_rank
+
+
+PIPE_BUFFER = 65536  # Linux: a result larger than this blocks a pipe nobody reads before the workers exit
+
+
+def test_spawn_trains_a_transformer_classifier_and_the_caller_predicts_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed: list[tuple[Path, int, int]] = []  # the file rank 0's results came back through: its mode and size
+    load_data = runner_module.load_data
+
+    def recording(path: Path, *args: Any, **kwargs: Any) -> Any:
+        handed.append((Path(path), stat.S_IMODE(Path(path).parent.stat().st_mode), Path(path).stat().st_size))
+        return load_data(path, *args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "load_data", recording)
     corpus = small_trec()
     model = tiny_transformer_classifier(corpus, make_tiny_bert(tmp_path / "bert", corpus))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    FabricTrainer(model, corpus).fine_tune(
-        tmp_path / "run",
-        max_epochs=2,
-        mini_batch_size=4,
-        learning_rate=5e-3,
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-    )
+    try:
+        FabricTrainer(model, corpus).fine_tune(
+            tmp_path / "run",
+            max_epochs=2,
+            mini_batch_size=4,
+            learning_rate=5e-3,
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp_spawn",
+        )
+    finally:  # checked whatever came of the run (through Lightning's queue the weights are gone when it is read)
+        # rank 0's results and weights came back through one file larger than a pipe's buffer, in a folder of the
+        # user's alone
+        assert [(mode, size > PIPE_BUFFER) for _, mode, size in handed] == [(0o700, True)]
     assert state_dict_difference(before, model.state_dict()) > 1e-4
     written = TextClassifier.load(tmp_path / "run" / "final-model.pt")  # fine_tune evaluates the final model
     assert state_dict_difference(model.state_dict(), written.state_dict()) == 0.0
     texts = ["What is the capital of France ?", "Who wrote Hamlet ?", "How many legs has a spider ?"]
     assert _predictions(model, texts, "question_class") == _predictions(written, texts, "question_class")
+    assert not handed[0][0].parent.exists(), "the file's folder is removed afterwards"
 
 
 def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_best_model(tmp_path: Path) -> None:
@@ -181,6 +208,8 @@ def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_bes
     )
     best = SequenceTagger.load(tmp_path / "run" / "best-model.pt")  # train() picks the best epoch on dev
     assert state_dict_difference(model.state_dict(), best.state_dict()) == 0.0
+    final = SequenceTagger.load(tmp_path / "run" / "final-model.pt")  # the best epoch is not the last one here
+    assert state_dict_difference(best.state_dict(), final.state_dict()) > 1e-4
     texts = ["Justin Bieber is in New York tonight", "going to the Apple store"]
     assert _predictions(model, texts, "ner") == _predictions(best, texts, "ner")
 
@@ -188,8 +217,11 @@ def test_spawn_trains_a_sequence_tagger_on_ner_spans_and_the_caller_gets_the_bes
 def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
     """Two torchrun "nodes" on one machine, each writing under its own folder; node 1 never sees node 0's files."""
     kwargs = {"max_epochs": 4, "mini_batch_size": 4, "devices": 1, "num_nodes": 2, "patience": 0}
-    runs = [{"name": "nodes", "method": "train", "kwargs": {**kwargs, "anneal_with_restarts": True}}]
-    config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "per_node_out": True, "runs": runs})
+    kwargs |= {"write_weights": True, "progress_bar": True}
+    runs = [{"name": "nodes", "method": "train", "kwargs": {**kwargs, "anneal_with_restarts": True}, "counter": True}]
+    predict = {"devices": 1, "num_nodes": 2, "accelerator": "cpu"}  # flair_fabric.predict after training
+    config = {"out": str(tmp_path), "per_node_out": True, "runs": runs, "predict": predict}
+    config = write_config(tmp_path / "config.json", config)
 
     def commands_for(port: int) -> list[tuple[list[str], dict[str, str]]]:
         return [
@@ -209,11 +241,24 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
             for node in (0, 1)
         ]
 
-    outputs = _run_together_on_a_free_port(commands_for)
-
+    # node 1 has a best-model.pt of its own, which it must never read: rank 0's file, read by rank 0, is the one
+    # (reading this one would run its code: the marker)
     node0, node1 = tmp_path / "node0" / "nodes", tmp_path / "node1" / "nodes"
+    node1.mkdir(parents=True)
+    marker = tmp_path / "node-1-read-its-own-best-model"
+    torch.save({"state_dict": _CreatesAFile(marker)}, node1 / "best-model.pt")
+    decoy = (node1 / "best-model.pt").read_bytes()
+    try:
+        outputs = _run_together_on_a_free_port(commands_for)
+    finally:
+        assert not marker.exists(), "node 1 read a best-model.pt: only global rank 0 may read it"
+
     assert {p.name for p in node0.iterdir()} >= {"training.log", "loss.tsv", "best-model.pt", "final-model.pt"}
-    assert not list(node1.iterdir()), "logs and models are written by global rank 0 only"
+    assert [p.name for p in node1.iterdir()] == ["best-model.pt"], "logs and models are written by global rank 0 only"
+    assert (node1 / "best-model.pt").read_bytes() == decoy
+    # global rank 0 alone logs (node 1's local rank 0 is silent), and states the global batch size
+    assert outputs[0].count("EPOCH 1 done") == 1 and "EPOCH 1 done" not in outputs[1], outputs[1][-3000:]
+    assert 'global batch size: "8" (2 process(es))' in (node0 / "training.log").read_text()
     results = tmp_path / "node1" / "results" / "nodes"
     assert (results / "summary-rank1.json").exists(), "node 1's process knows itself as global rank 1"
     rank1 = json.loads((results / "summary-rank1.json").read_text())
@@ -226,6 +271,22 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
     weights0 = _final_weights(tmp_path / "node0" / "results" / "nodes", 0)
     assert state_dict_difference(weights0, _final_weights(results, 1)) == 0.0
     assert state_dict_difference(weights0, TextClassifier.load(node0 / "best-model.pt").state_dict()) == 0.0
+    assert (node0 / "weights.txt").exists(), "write_weights: the weights writer, on global rank 0 (node 1: nothing)"
+    # inside hooks self.trainer tells node 1's process (local rank 0) from global rank 0, and so does the trainer after
+    hooks = ("after_setup", "after_training_batch", "after_training_epoch")
+    for summary, seen in ((rank0, [0, 0, 2, True]), (rank1, [1, 0, 2, False])):  # global, local, world, global zero
+        assert summary["in_hooks"] == {hook: [seen] for hook in hooks}, summary["in_hooks"]
+        assert summary["is_global_zero_after"] is seen[3]
+    # a rank_zero_only hook runs on global rank 0 only, not on node 1's local rank 0; the every-rank hook on both
+    assert (rank0["hook_counts"], rank1["hook_counts"]) == ([4, 4], [4, 0])
+    # progress_bar=True: one bar per epoch, drawn by global rank 0; node 1's local rank 0 draws none
+    started = re.findall(r"epoch (\d+): +0%\|[^\r\n]*\| 0/\d+ \[00:00<\?, \?step/s\]", outputs[0])
+    assert started == ["1", "2", "3", "4"], started
+    assert re.findall(r"epoch \d+: +\d+%", outputs[1]) == [], outputs[1][-3000:]
+    # flair_fabric.predict in the trained processes: node 1's own sentences end with all of flair's labels
+    for node in (0, 1):
+        labels = json.loads((tmp_path / f"node{node}" / "results" / f"predicted-rank{node}.json").read_text())
+        assert labels["ours"] == labels["flair"] and all(labels["ours"]), node
 
 
 def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
@@ -235,6 +296,7 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
             "method": "train_custom",
             "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2},
             "listening": True,
+            "note_port": True,
         }
     ]
     config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
@@ -264,6 +326,12 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
     listening = json.loads((run_dir / "listening.json").read_text())  # one node: task 0 hosts the store on loopback
     listening = [(pid, address) for pid, address in listening if pid in {s["pid"] for s in summaries}]
     assert listening and all(address.startswith(("127.0.0.1:", "::1:")) for _, address in listening), listening
+    # docs/security.md: the store is hosted by task 0, on loopback, and both tasks meet there
+    port = summaries[0]["master_port"]
+    assert summaries[1]["master_port"] == port
+    assert [(pid, address) for pid, address in listening if address.endswith(f":{port}")] == [
+        (summaries[0]["pid"], f"127.0.0.1:{port}")
+    ]
 
 
 def test_one_node_torchrun_keeps_the_rendezvous_and_the_collectives_on_loopback(tmp_path: Path) -> None:
@@ -293,15 +361,46 @@ def test_one_node_torchrun_keeps_the_rendezvous_and_the_collectives_on_loopback(
 
 
 def test_two_runs_at_the_same_time_both_finish(tmp_path: Path) -> None:
-    commands = []
+    """docs/launching.md: each self-started run binds a free port of its own, so two runs on one machine both
+    finish (the exit codes are the claim here)."""
+    processes = []
     for name in ("first", "second"):
-        runs = [{"name": name, "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
+        kwargs = {**UNION, "mini_batch_size": 4, "devices": 2}
+        runs = [{"name": name, "method": "train_custom", "kwargs": kwargs, "note_port": True}]
         config = write_config(tmp_path / f"{name}.json", {"out": str(tmp_path), "runs": runs})
-        commands.append(([sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)], _script_env()))
-    _run_together(commands)
+        command = [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)]
+        processes.append(
+            subprocess.Popen(
+                command, env=_script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    try:
+        outputs = [process.communicate(timeout=420)[0] for process in processes]
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        raise RunHung("two runs at the same time did not end within 420 s") from None
+    assert [process.returncode for process in processes] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    ports = []
     for name in ("first", "second"):
         assert (tmp_path / name / "final-model.pt").exists()
         assert state_dict_difference(_final_weights(tmp_path / name, 0), _final_weights(tmp_path / name, 1)) == 0
+        seen = {
+            json.loads((tmp_path / name / f"summary-rank{rank}.json").read_text())["master_port"] for rank in (0, 1)
+        }
+        assert len(seen) == 1 and None not in seen, seen  # both ranks of a run meet on one port
+        ports.append(seen.pop())
+    assert ports[0] != ports[1], ports
+
+
+class _CreatesAFile:
+    """Unpickling this object creates ``path``: shows that a file was read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
 
 
 class _DeviceSeen(TrainerPlugin):
@@ -315,12 +414,17 @@ class _DeviceSeen(TrainerPlugin):
         """In set-up, before any pass: what flair.device says on this rank (a pass on a wrong device fails)."""
         super().attach_to(pluggable)
         rank = pluggable.global_rank
-        (self.out / f"device-rank{rank}.json").write_text(json.dumps({"flair": str(flair.device), "parameter": None}))
+        seen = {"flair": str(flair.device), "fabric": str(pluggable.fabric.device), "parameter": None}
+        (self.out / f"device-rank{rank}.json").write_text(json.dumps(seen))
 
     @TrainerPlugin.hook
     def before_training_batch(self, batch: list, batch_no: int, **kw: object) -> None:
         if batch_no == 0:  # before the first pass (which fails on a device nobody computes on)
-            seen = {"flair": str(flair.device), "parameter": str(next(self.model.parameters()).device)}
+            seen = {
+                "flair": str(flair.device),
+                "fabric": str(self.trainer.fabric.device),
+                "parameter": str(next(self.model.parameters()).device),
+            }
             (self.out / f"device-rank{self.trainer.global_rank}.json").write_text(json.dumps(seen))
 
 
@@ -342,12 +446,15 @@ def test_every_rank_computes_on_the_device_fabric_gives_it(tmp_path: Path) -> No
             strategy="ddp_fork",
             plugins=[_DeviceSeen(tmp_path)],
         )
-    except Exception as error:  # what each rank saw is checked first, then the failure is raised
+    except Exception as error:  # what each rank's set-up saw is checked first, then the failure is raised
         failed = error
     finally:
         flair.device = callers_device
     for rank in (0, 1):
-        assert json.loads((tmp_path / f"device-rank{rank}.json").read_text()) == {"flair": "cpu", "parameter": "cpu"}
+        seen = json.loads((tmp_path / f"device-rank{rank}.json").read_text())
+        assert seen["flair"] == seen["fabric"] == "cpu", (rank, seen)  # written in set-up, before any pass
+        if failed is None:
+            assert seen["parameter"] == "cpu", (rank, seen)
     if failed is not None:
         raise failed
 

@@ -95,17 +95,26 @@ def test_training_with_mpi4py_installed_but_no_mpi_launcher(tmp_path: Path) -> N
     assert "TRAINED" in completed.stdout
 
 
+# what Open MPI, MPICH/Hydra and Intel MPI, PMIx launchers, MVAPICH and MPICH's mpiexec set (docs/gpu-check.md)
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
 def test_an_mpi_launched_process_still_gets_lightnings_mpi_environment(tmp_path: Path) -> None:
-    """Started by mpirun (its variables set, MPI working): the choice is Fabric's own, MPIEnvironment."""
+    """Started by an MPI launcher (any one of its variables set, MPI working): the choice is Fabric's own,
+    MPIEnvironment; with none of them set, Lightning's own environment, and MPI is not asked."""
     site = _fake_mpi4py(tmp_path / "site")
-    code = """
+    code = f"""
         import os
         from flair_fabric.launch.environment import cluster_environment
         print("plain", type(cluster_environment()).__name__)  # MPI initialised here would end the process
-        os.environ.update(OMPI_COMM_WORLD_SIZE="2", FAKE_MPI_SIZE="2")  # what mpirun sets; MPI now starts
-        print("launched", type(cluster_environment()).__name__)
+        os.environ["FAKE_MPI_SIZE"] = "2"  # MPI now starts
+        for name in {LAUNCHER_VARIABLES!r}:
+            os.environ[name] = "2"  # what the launcher sets
+            print(name, type(cluster_environment()).__name__)
+            del os.environ[name]
         """
     completed = _run(code, site)
     assert "MPI_INIT failed" not in completed.stderr, "MPI was initialised without an MPI launcher"
     expect_success(completed.returncode, "the detection", completed.stderr)
-    assert completed.stdout.splitlines()[-2:] == ["plain LightningEnvironment", "launched MPIEnvironment"]
+    expected = ["plain LightningEnvironment", *(f"{name} MPIEnvironment" for name in LAUNCHER_VARIABLES)]
+    assert completed.stdout.splitlines()[-6:] == expected

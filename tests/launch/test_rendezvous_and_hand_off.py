@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pickle
 import socket
 import struct
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -42,8 +42,6 @@ def test_a_hand_off_file_is_private_and_loads_as_data_only(tmp_path: Path) -> No
     save_private({"weights": torch.ones(2), "score": 0.5}, tmp_path / "result.pt")
     assert (tmp_path / "result.pt").stat().st_mode & 0o777 == 0o600
     assert checked_load(tmp_path / "result.pt")["score"] == 0.5
-    with tempfile.TemporaryDirectory(prefix="flair-fabric-") as folder:  # where workers hand their result back
-        assert Path(folder).stat().st_mode & 0o777 == 0o700
     torch.save({"payload": _CreatesAFile(tmp_path / "code-ran")}, tmp_path / "evil.pt")
     with pytest.raises(UnsafeFile, match=r"evil.pt does not hold plain data"):
         checked_load(tmp_path / "evil.pt")
@@ -222,6 +220,16 @@ def test_a_run_over_several_machines_uses_the_addresses_given(monkeypatch: pytes
     facing = _route_interface("10.20.30.40")  # the interface of the route to the main address
     assert [seen[name] for name in IFNAMES] == [facing, facing] and facing not in loopback_interfaces()
     assert seen["listening"] == before, "no store may be hosted for a run over several machines"
+    # docs/launching.md: the user's choice of interface is never overridden
+    for name in IFNAMES:
+        monkeypatch.setenv(name, "eth7")
+    config = make_launch_config(
+        accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", precision=None, use_amp=False
+    )
+    kept = _what_the_ranks_would_see(config, monkeypatch)
+    assert [kept[name] for name in IFNAMES] == ["eth7", "eth7"]
+    for name in IFNAMES:
+        monkeypatch.delenv(name)
     # the same path on one machine does host its store on loopback and pins the interface (the contrast)
     for name in given:
         monkeypatch.delenv(name)
@@ -246,21 +254,29 @@ def test_the_result_forked_workers_hand_back_is_loaded_as_data_only(
         save_private({"result": data, "payload": _CreatesAFile(marker)}, path)
 
     monkeypatch.setattr(runner, "save_private", hand_back_code)
+    # docs/security.md: the hand-off is a file only its owner can read, in a folder only its owner can open (the
+    # runner's own, as the caller finds it before loading)
+    modes: list[tuple[int, int]] = []
+    load_data = runner.load_data
+
+    def noted_load(handoff: Path, allowed: Any) -> Any:
+        modes.append((handoff.stat().st_mode & 0o777, handoff.parent.stat().st_mode & 0o777))
+        return load_data(handoff, allowed)
+
+    monkeypatch.setattr(runner, "load_data", noted_load)
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     try:
-        flair_fabric.evaluate(
-            model,
-            corpus.test,
-            model.label_type,
-            mini_batch_size=4,
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp_fork",
-        )
-    except Exception as error:  # what the caller makes of a hand-off it loaded anyway is no matter here
-        refusal = f"{type(error).__name__}: {error}"
-    else:
-        refusal = ""
-    assert not marker.exists(), "unpickling the hand-off ran the code in it"
-    assert refusal.startswith("UnpicklingError: Weights only load failed"), refusal[:300]
+        with pytest.raises(pickle.UnpicklingError, match=r"Weights only load failed"):
+            flair_fabric.evaluate(
+                model,
+                corpus.test,
+                model.label_type,
+                mini_batch_size=4,
+                accelerator="cpu",
+                devices=2,
+                strategy="ddp_fork",
+            )
+    finally:
+        assert not marker.exists(), "unpickling the hand-off ran the code in it"
+    assert modes == [(0o600, 0o700)]

@@ -4,7 +4,9 @@ input."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import inspect
 import json
 import logging
 import os
@@ -13,8 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -22,10 +25,11 @@ from flair.data import DataPoint, Label, Relation, Sentence
 from flair.datasets import ColumnCorpus, ColumnDataset
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers import ModelTrainer
-from torch.multiprocessing.spawn import ProcessExitedException
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 import flair_fabric
-from flair_fabric import cli
+from flair_fabric import FabricTrainer, cli
+from flair_fabric import trainer as trainer_module
 from flair_fabric.datasets import TREC_LABEL_TYPE, trec_questions
 from flair_fabric.evaluation.predictions import record_labels
 from flair_fabric.launch.arguments import LightningArguments
@@ -84,7 +88,7 @@ def test_in_memory_labels_and_scores_equal_flairs_predict(tmp_path: Path, family
 
 class _LabelsElsewhere(TextClassifier):
     """Also puts a label on a token of another sentence, for the sentence ``marked``: a label no other process can
-    address."""
+    address (under the label name it predicts into)."""
 
     marked = ""
 
@@ -93,7 +97,7 @@ class _LabelsElsewhere(TextClassifier):
         for sentence in sentences if isinstance(sentences, list) else [sentences]:
             if sentence.to_original_text() == self.marked:
                 elsewhere = Label(Sentence("elsewhere")[0], "ELSEWHERE", 1.0)
-                sentence.annotation_layers.setdefault(self.label_type, []).append(elsewhere)
+                sentence.annotation_layers.setdefault(kwargs.get("label_name") or self.label_type, []).append(elsewhere)
         return returned
 
 
@@ -108,12 +112,14 @@ def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warn
     texts = [sentence.to_original_text() for sentence in corpus.train][:20]
     _LabelsElsewhere.marked = max(texts, key=len)  # in the first batch: on rank 0 only, rank 1 must learn of it
     reference, ours = [Sentence(text) for text in texts], [Sentence(text) for text in texts]
-    model.predict(reference, mini_batch_size=4)
+    # predict's arguments reach the caller's own prediction too: every class's probability, under another name
+    options = {"mini_batch_size": 4, "label_name": "guessed", "return_probabilities_for_all_classes": True}
+    model.predict(reference, **options)
     logging.getLogger("flair").addHandler(handler)
     try:
-        with out_of_step_is_a_hang():
-            flair_fabric.predict(model, ours, devices=2, mini_batch_size=4, **FORK)
-    except Exception as error:
+        with out_of_step_is_a_hang():  # ranks that do not agree on the fallback fall out of step
+            flair_fabric.predict(model, ours, devices=2, **FORK, **options)
+    except ProcessRaisedException as error:
         if "cannot be moved between processes" in str(error):
             pytest.fail(f"a model whose labels cannot move must be predicted by the caller, not end the run: {error}")
         raise
@@ -121,7 +127,10 @@ def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warn
         logging.getLogger("flair").removeHandler(handler)
 
     def shown(sentence: Sentence) -> list[tuple[str, float]]:
-        return [(label.value, round(label.score, 6)) for label in sentence.get_labels(TREC_LABEL_TYPE)]
+        return [(label.value, round(label.score, 6)) for label in sentence.get_labels("guessed")]
+
+    unmarked = next(sentence for sentence in reference if sentence.to_original_text() != _LabelsElsewhere.marked)
+    assert len(shown(unmarked)) == len(model.label_dictionary), "a probability for every class"
 
     assert [shown(sentence) for sentence in ours] == [shown(sentence) for sentence in reference]
     assert sum(value == "ELSEWHERE" for sentence in ours for value, _ in shown(sentence)) == 1
@@ -130,7 +139,7 @@ def test_a_model_whose_labels_cannot_move_is_predicted_by_the_caller_with_a_warn
 
 def test_labels_cross_to_the_caller_as_json_unchanged_or_as_objects_when_they_carry_metadata() -> None:
     sentence = Sentence("Ada Lovelace met Charles Babbage in London .")
-    sentence.add_label("kind", "meeting", 0.75)
+    sentence.add_label("kind", "meeting", 0.123456789)  # every digit of a score must cross
     sentence[0].add_label("pos", "NNP", 0.5)
     sentence[0:2].add_label("ner", "PER", 0.9)
     sentence[3:5].add_label("ner", "PER", 0.875)
@@ -161,6 +170,110 @@ def test_uneven_sizes_on_2_and_3_ranks_spawned_or_forked(size: int, devices: int
     assert count == expected_count == size
     assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6, abs=1e-9)
     _assert_same_labels(data, reference, ["predicted"])
+
+
+@pytest.mark.multiprocess
+def test_return_loss_of_a_tagger_is_flairs_loss_sum_and_label_count_over_every_rank(tmp_path: Path) -> None:
+    """A tagger labels tokens: flair's count is the number of token labels (more than the 7 sentences), summed with
+    the loss over the batches of 2 forked ranks."""
+    data = list(small_wnut(tmp_path / "a", train_size=7).train)
+    reference = list(small_wnut(tmp_path / "b", train_size=7).train)  # the same sentences (with spans: no deepcopy)
+    model = tiny_sequence_tagger(small_wnut(tmp_path / "c", train_size=7))
+    model.eval()
+    options = {"mini_batch_size": 2, "label_name": "predicted", "return_loss": True}
+    expected_loss, expected_count = model.predict(reference, **options)
+    loss, count = flair_fabric.predict(model, data, devices=2, **FORK, **options)
+    assert count == expected_count > len(data) == 7
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-6)
+    _assert_same_labels(data, reference, ["predicted"])
+
+
+class _ArgumentRecorder(TextClassifier):
+    """Keeps the arguments of every ``predict`` call (in this process)."""
+
+    calls: ClassVar[list[dict[str, Any]]] = []
+
+    def predict(self, sentences: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(TextClassifier.predict).bind(self, sentences, *args, **kwargs)
+        self.calls.append({name: value for name, value in bound.arguments.items() if name not in ("self", "sentences")})
+        return super().predict(sentences, *args, **kwargs)
+
+
+def test_flairs_predict_arguments_reach_the_models_predict_and_keep_flairs_meaning() -> None:
+    """Every flair predict argument given reaches each of the model's predict calls (one process, in this process);
+    ``embedding_storage_mode="cpu"`` then keeps the embeddings on the data points as flair's predict does, the
+    default "none" drops them."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, model_class=_ArgumentRecorder)
+    model.eval()
+    texts = [sentence.to_original_text() for sentence in list(corpus.test)[:6]]
+    reference, kept, dropped = ([Sentence(text) for text in texts] for _ in range(3))
+    model.predict(reference, mini_batch_size=4, embedding_storage_mode="cpu", label_name="guess")
+    assert all(sentence.get_embedding().numel() > 0 for sentence in reference), "flair keeps them"
+    one = {"devices": 1, "accelerator": "cpu"}
+    given = {"mini_batch_size": 4, "return_probabilities_for_all_classes": True, "verbose": True}
+    given |= {"label_name": "guess", "embedding_storage_mode": "cpu"}
+    _ArgumentRecorder.calls.clear()
+    flair_fabric.predict(model, kept, **given, **one)
+    assert len(_ArgumentRecorder.calls) == 2, "batches of 4: two calls"
+    assert all({name: call.get(name) for name in given} == given for call in _ArgumentRecorder.calls)
+    for ours, theirs in zip(kept, reference, strict=True):
+        assert torch.equal(ours.get_embedding(), theirs.get_embedding())
+    flair_fabric.predict(model, dropped, mini_batch_size=4, **one)
+    assert all(sentence.get_embedding().numel() == 0 for sentence in dropped), "embedding_storage_mode='none'"
+
+
+def test_predict_checks_lightnings_arguments_and_launches_with_them_as_training_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launch predict hands to the job runner holds the arguments given, resolved as training resolves the same
+    ones (FabricTrainer.train's launch, recorded instead of run); a bad one is refused before anything starts."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    launched: dict[str, Any] = {}
+    monkeypatch.setattr(prediction_api, "run_job", lambda job, config: launched.setdefault("predict", config))
+    monkeypatch.setattr(trainer_module, "run_job", lambda job, config: launched.setdefault("train", config) and {})
+    lightning = {"devices": 2, "strategy": "ddp_fork", "accelerator": "cpu", "precision": "bf16-mixed"}
+    lightning |= {"num_nodes": 1, "collective_timeout": 7}
+    flair_fabric.predict(model, [Sentence("What is a cat ?")], **lightning)
+    FabricTrainer(model, corpus).train(tmp_path, max_epochs=1, **lightning)
+    for config in (launched["predict"], launched["train"]):
+        shown = (config.accelerator, config.devices, config.num_nodes, config.precision, config.collective_timeout)
+        assert shown == ("cpu", 2, 1, "bf16-mixed", timedelta(seconds=7))
+        trained = launched["train"].strategy
+        assert config.strategy == trained if isinstance(trained, str) else type(config.strategy) is type(trained)
+    for bad, message in (({"num_nodes": 0}, r"num_nodes=0"), ({"collective_timeout": -1}, r"collective_timeout")):
+        with pytest.raises(ValueError, match=message):
+            flair_fabric.predict(model, [Sentence("What is a cat ?")], **{**lightning, **bad})
+
+
+class _LabelsWithMetadata(TextClassifier):
+    """Adds a second label of its own label type that carries metadata (a tuple, which JSON would make a list)."""
+
+    def predict(self, sentences: Any, *args: Any, **kwargs: Any) -> Any:
+        returned = super().predict(sentences, *args, **kwargs)
+        for sentence in sentences if isinstance(sentences, list) else [sentences]:
+            sentence.add_label(self.label_type, "RULE", 0.5, source=("rule", len(sentence)))
+        return returned
+
+
+@pytest.mark.multiprocess
+def test_labels_with_metadata_reach_the_caller_unchanged_from_forked_workers() -> None:
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus, model_class=_LabelsWithMetadata)
+    model.eval()
+    texts = [sentence.to_original_text() for sentence in corpus.train][:6]
+    reference, ours = [Sentence(text) for text in texts], [Sentence(text) for text in texts]
+    model.predict(reference, mini_batch_size=2)
+    flair_fabric.predict(model, ours, devices=2, mini_batch_size=2, **FORK)
+
+    def shown(sentence: Sentence) -> list[tuple[str, float, dict]]:
+        return [(label.value, round(label.score, 6), label.metadata) for label in sentence.get_labels(TREC_LABEL_TYPE)]
+
+    assert [shown(sentence) for sentence in ours] == [shown(sentence) for sentence in reference]
+    for sentence in ours:
+        (rule,) = [label for label in sentence.get_labels(TREC_LABEL_TYPE) if label.value == "RULE"]
+        assert rule.metadata == {"source": ("rule", len(sentence))} and isinstance(rule.metadata["source"], tuple)
 
 
 @pytest.fixture(scope="module")
@@ -194,16 +307,13 @@ def test_a_20000_line_file_through_2_ranks_equals_one_process_line_by_line(
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [row["line"] for row in rows] == list(range(1, 20_001)), "input order"
     lines = source.read_text().splitlines()
-    for start in (0, 8192, 16384):  # flair's predict, one process, on the same chunks
+    for start in range(0, 20_000, chunk):  # flair's predict, one process, on each of the 5 chunks
         sentences = [Sentence(text) for text in lines[start : start + chunk]]
         model.predict(sentences, mini_batch_size=64)
         for sentence, row in zip(sentences, rows[start : start + chunk], strict=True):
-            label = sentence.get_label(TREC_LABEL_TYPE)
             assert row["text"] == sentence.to_original_text()
-            assert (row["labels"][0]["value"], round(row["labels"][0]["score"], 6)) == (
-                label.value,
-                round(label.score, 6),
-            )
+            labels = [(label.value, round(label.score, 6)) for label in sentence.get_labels(TREC_LABEL_TYPE)]
+            assert [(label["value"], round(label["score"], 6)) for label in row["labels"]] == labels, row["line"]
 
 
 @pytest.mark.multiprocess
@@ -379,8 +489,10 @@ def test_bad_streamed_input_is_refused_before_any_process_starts(
         pytest.fail("processes were started for input that had to be refused before")
 
     monkeypatch.setattr(prediction_api, "run_job", no_processes)
-    with pytest.raises(ValueError) as refused:
+    # an OSError (e.g. from stat() of a missing file) would be a refusal of the wrong type
+    with pytest.raises((ValueError, OSError)) as refused:
         flair_fabric.predict(model, source, devices=2, **FORK, **arguments)
+    assert refused.type is ValueError, f"refused with a {refused.type.__name__}, not a ValueError: {refused.value}"
     assert re.search(message, str(refused.value)), str(refused.value)
 
 
@@ -413,6 +525,12 @@ def test_the_command_line_passes_its_options_on_to_predict(trained_classifier: P
     assert {label["type"] for row in written for label in row["labels"]} == {"guess"}
 
 
+def _options_of(command: str) -> list[str]:
+    """Every option string of ``python -m flair_fabric <command>``, from its parser."""
+    commands = next(action for action in cli.parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return [option for action in commands.choices[command]._actions for option in action.option_strings]
+
+
 def test_the_command_line_answers_help_without_loading_torch_flair_or_lightning() -> None:
     """``python -m flair_fabric ... --help`` (and an argument error) is answered before the heavy imports; the help
     is plain text and offers every Lightning argument."""
@@ -433,6 +551,8 @@ def test_the_command_line_answers_help_without_loading_torch_flair_or_lightning(
         if arguments[-1] == "--help" and arguments[0] != "--help":
             for name in LightningArguments.names():
                 assert f"--{name.replace('_', '-')}" in shown, name
+            for option in _options_of(arguments[0]):  # every option of the command, not only Lightning's
+                assert re.search(rf"(^|[\s,]){re.escape(option)}\b", shown), (arguments[0], option)
 
 
 @pytest.mark.parametrize("precision", FABRIC_PRECISIONS)
@@ -511,8 +631,13 @@ def test_the_command_line_passes_its_process_options_on_to_predict(
     files = ["--model", str(trained_classifier), "--input", str(source), "--output", str(tmp_path / "out.jsonl")]
     processes = ["--devices", "2", "--strategy", "ddp_fork", "--accelerator", "cpu", "--num-nodes", "1"]
     extra = ["--precision", "bf16-mixed", "--collective-timeout", "90"]
-    assert cli.main(["predict", *files, *processes, *extra]) == 0
+    flair_options = ["--mini-batch-size", "5", "--label-name", "guess", "--all-probabilities"]
+    file_options = ["--chunk-size", "9", "--tokenizer", "space"]
+    assert cli.main(["predict", *files, *processes, *extra, *flair_options, *file_options]) == 0
     (given,) = calls
+    passed_on = {"mini_batch_size": 5, "label_name": "guess", "return_probabilities_for_all_classes": True}
+    passed_on |= {"chunk_size": 9, "tokenizer": False}
+    assert {name: given.get(name) for name in passed_on} == passed_on
     expected = {
         "devices": 2,
         "strategy": "ddp_fork",
@@ -560,16 +685,19 @@ def test_the_command_line_evaluate_scores_the_gold_column_as_flairs_evaluate(
     model = tmp_path / "tagger.pt"
     tagger.save(model)
 
+    gold_type = "gold"  # not the tagger's own label type: --gold-label-type names the labels scored
+
     def scored(*options: str) -> float:
         capsys.readouterr()
-        arguments = ["--model", str(model), "--input", str(gold), "--gold-label-type", label_type, "--json"]
+        arguments = ["--model", str(model), "--input", str(gold), "--gold-label-type", gold_type, "--json"]
         assert cli.main(["evaluate", *arguments, *options, "--devices", "1", "--accelerator", "cpu"]) == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["main_score"]
 
     reference = SequenceTagger.load(model)
-    expected = reference.evaluate(ColumnDataset(gold, {0: "text", 1: label_type}), label_type, mini_batch_size=32)
+    assert reference.label_type != gold_type
+    expected = reference.evaluate(ColumnDataset(gold, {0: "text", 1: gold_type}), gold_type, mini_batch_size=32)
     assert expected.main_score > 0.5, "the gold column holds the tagger's own predictions"
     assert scored() == pytest.approx(expected.main_score)
-    other = reference.evaluate(ColumnDataset(gold, {0: "text", 2: label_type}), label_type, mini_batch_size=32)
+    other = reference.evaluate(ColumnDataset(gold, {0: "text", 2: gold_type}), gold_type, mini_batch_size=32)
     assert other.main_score != pytest.approx(expected.main_score)
     assert scored("--column", "2") == pytest.approx(other.main_score)

@@ -23,10 +23,12 @@ from flair.models import TextClassifier
 import flair_fabric
 from flair_fabric import cli
 from flair_fabric.datasets import TREC_LABEL_TYPE
+from flair_fabric.launch.config import LaunchConfig
+from flair_fabric.prediction import api as prediction_api
 from flair_fabric.prediction.formats import Record, write_conll, write_jsonl
 from flair_fabric.prediction.sharding import NotSplittable
 
-from ..support import REPO, small_trec, tiny_text_classifier
+from ..support import REPO, expect_success, small_trec, tiny_text_classifier
 
 ONE = {"devices": 1, "accelerator": "cpu"}
 
@@ -90,6 +92,22 @@ def test_conll_input_takes_the_first_column_of_space_or_tab_separated_lines_and_
     rows = _rows(tmp_path / "out.jsonl")
     assert [row["tokens"] for row in rows] == [["George", "lives", "#tag"], ["Bob", "!"]]
     assert (summary.read, summary.predicted, summary.skipped) == (2, 2, [])
+
+
+def test_a_conll_sentence_with_a_line_that_is_not_utf8_is_skipped_and_listed(
+    classifier: TextClassifier, tmp_path: Path
+) -> None:
+    """A CoNLL sentence (lines 4-6) with an undecodable line (5) is skipped whole and listed under its first line,
+    naming the bad line; the sentences around it are predicted; read = predicted + skipped."""
+    source = tmp_path / "in.conll"
+    source.write_bytes(b"Hello\tO\nthere\tO\n\nWho\tO\n\xff\xfe\tO\n?\tO\n\nBye\tO\n")
+    summary = flair_fabric.predict(classifier, source, out_path=tmp_path / "out.jsonl", input_format="conll", **ONE)
+    assert summary.skipped == [(4, "line 5 is not UTF-8")]
+    assert (summary.read, summary.predicted) == (3, 2)
+    assert [(row["line"], row["tokens"]) for row in _rows(tmp_path / "out.jsonl")] == [
+        (1, ["Hello", "there"]),
+        (8, ["Bye"]),
+    ]
 
 
 def test_records_over_100000_characters_are_skipped_with_their_line_numbers(
@@ -180,6 +198,8 @@ def test_a_text_file_predicted_into_conll_or_jsonl_by_its_suffix(classifier: Tex
         f"# {TREC_LABEL_TYPE} = {one.value} ({one.score:.4f})\nWhat\tO\nis\tO\na\tO\ncat\tO\n?\tO\n\n"
         f"# {TREC_LABEL_TYPE} = {two.value} ({two.score:.4f})\nWho\tO\nwrote\tO\nEmma\tO\n?\tO\n\n"
     )
+    flair_fabric.predict(classifier, source, out_path=tmp_path / "out.tsv", **ONE)  # .tsv: CoNLL as well
+    assert (tmp_path / "out.tsv").read_text(encoding="utf-8") == (tmp_path / "out.conll").read_text(encoding="utf-8")
     flair_fabric.predict(classifier, source, out_path=tmp_path / "out.jsonl", **ONE)
     assert _rows(tmp_path / "out.jsonl") == [
         {
@@ -228,6 +248,30 @@ def test_the_progress_bar_is_off_by_default_when_stderr_is_not_a_terminal_and_fo
     assert "predicting: 2 data points" in capfd.readouterr().err
 
 
+class _StandInRank:
+    """What streamed prediction reads of one rank's Fabric: here a rank of a second machine, or global rank 0."""
+
+    def __init__(self, global_rank: int, local_rank: int) -> None:
+        self.global_rank, self.local_rank, self.world_size = global_rank, local_rank, 2
+        self.is_global_zero = global_rank == 0
+
+
+def test_the_streamed_bar_is_drawn_by_global_rank_zero_not_by_local_rank_zero_of_another_machine(
+    classifier: TextClassifier, tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """progress_bar=True on global rank 1, local rank 0 (the first process of a second machine): no bar there; on
+    global rank 0 the bar (the other ranks' work stood in for: nothing is predicted here)."""
+    source = tmp_path / "in.txt"
+    source.write_text("What is a cat ?\nWho wrote Emma ?\nWhere is Bath ?\n", encoding="utf-8")
+    monkeypatch.setattr(prediction_api, "predict_across_ranks", lambda *args, **kwargs: None)
+    stream = prediction_api._Stream(source, "text", tmp_path / "out.jsonl", "jsonl", True, 2, True)
+    capfd.readouterr()
+    prediction_api._predict_stream(_StandInRank(1, 0), classifier, stream, {})
+    assert "predicting" not in capfd.readouterr().err
+    prediction_api._predict_stream(_StandInRank(0, 0), classifier, stream, {})
+    assert "predicting: 3 data points" in capfd.readouterr().err
+
+
 _ON_A_TERMINAL = """
 import sys
 from flair.models import TextClassifier
@@ -266,7 +310,7 @@ def test_on_a_terminal_the_progress_bar_is_on_by_default_and_false_turns_it_off(
             break
         shown += piece
     os.close(controller)
-    assert process.wait(timeout=300) == 0, shown.decode(errors="replace")[-3000:]
+    expect_success(process.wait(timeout=300), "the script on a terminal", shown.decode(errors="replace"))
     text = shown.decode(errors="replace")
     assert "<<end>>" in text, text[-3000:]
     default, off = text.split("<<default>>")[1].split("<<off>>")
@@ -352,6 +396,14 @@ def test_a_file_is_read_in_chunks_of_chunk_size_records_by_default_2048_on_one_p
     _BatchRecorder.record_to = tmp_path / "default.jsonl"
     flair_fabric.predict(model, source, out_path=tmp_path / "out.jsonl", mini_batch_size=10_000, **ONE)
     assert list(_batch_sizes(tmp_path / "default.jsonl").values()) == [[2048, 1]], "default: 2048 x 1 process"
+
+
+def test_the_default_chunk_counts_every_process_of_every_node(tmp_path: Path) -> None:
+    """2048 records per process: 2 devices on each of 3 nodes read chunks of 12,288 (checked before any process)."""
+    source = _short_lines(tmp_path / "in.txt", 3)
+    config = LaunchConfig("cpu", 2, 3, "ddp", "32-true")
+    stream = prediction_api._checked_stream(source, "text", tmp_path / "out.jsonl", None, True, None, config, False)
+    assert stream.chunk_size == 2048 * 2 * 3
 
 
 @pytest.mark.multiprocess

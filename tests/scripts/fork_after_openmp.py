@@ -31,4 +31,6 @@ if __name__ == "__main__":
     trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
     settings = {"accelerator": "cpu", "devices": devices, "strategy": "ddp_fork", "create_file_logs": False}
     result = trainer.train(out, max_epochs=1, mini_batch_size=4, plugins=[ThreadCount()], **settings)
-    print(f"workers computed with {result['worker_threads']} thread(s); this process with {torch.get_num_threads()}")
+    print(
+        f"workers computed with {result.get('worker_threads')} thread(s); this process with {torch.get_num_threads()}"
+    )

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class Observe(TrainerPlugin):
         if batch_count == 2:
             (self.results / f"listening-rank{rank}.json").write_text(json.dumps(listening_sockets()))
         if batch_count == self.kill_at:  # this host falls off the network: its peers hear nothing more from it
+            (self.results / "link-down.txt").write_text(repr(time.time()))  # when (the hosts share one clock)
             subprocess.run(["ip", "link", "set", "ffeth0", "down"], check=True)
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import flair.nn
 from flair.models import TextClassifier
 
 from flair_fabric import FabricTrainer
-from tests.support import small_trec, tiny_text_classifier
+from tests.support import counting_saves, small_trec, tiny_text_classifier
 
 OUT = Path(sys.argv[1])
 
@@ -31,6 +32,8 @@ if __name__ == "__main__":
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     threading.Thread(target=press_ctrl_c_after_epoch_2, daemon=True).start()
+    # every model file written, by which rank (the forked workers inherit it): "<rank> <file>" lines
+    flair.nn.Model.save = counting_saves(OUT / "saves.txt", flair.nn.Model.save)
     trainer = FabricTrainer(model, corpus)
     settings = {"accelerator": "cpu", "devices": 2, "strategy": "ddp_fork", "use_final_model_for_eval": True}
     trainer.train(OUT, max_epochs=200, mini_batch_size=4, **settings)

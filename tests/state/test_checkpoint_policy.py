@@ -4,8 +4,11 @@ every step), preemption signals by name, ``resume_from="auto"`` without a checkp
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import signal
+import types
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,14 @@ from flair_fabric.distributed.lockstep import Lockstep
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE, CheckpointPolicy
 from flair_fabric.state.run_state import RunState
 from flair_fabric.state.training_state import (
+    checkpoint_to_resume,
     complete_checkpoints,
+    find_checkpoint,
     load_training_state,
     read_progress,
     save_training_state,
 )
+from flair_fabric.training import checkpointing
 
 from ..support import small_trec, tiny_text_classifier
 
@@ -44,11 +50,15 @@ def test_a_run_with_the_default_arguments_writes_no_checkpoint(tmp_path: Path, m
     """checkpoint_every_n_epochs=0, checkpoint_every_n_steps=None and checkpoint_every_n_minutes=None by default: a
     run that passes none of them writes no checkpoint at all."""
     corpus = small_trec()
-    getattr(FabricTrainer(tiny_text_classifier(corpus), corpus), method)(
-        tmp_path, max_epochs=2, mini_batch_size=8, **ONE_PROCESS
-    )
+    model = tiny_text_classifier(corpus)
+    getattr(FabricTrainer(model, corpus), method)(tmp_path, max_epochs=2, mini_batch_size=8, **ONE_PROCESS)
     assert (tmp_path / "final-model.pt").is_file(), "the run trained"
     assert not (tmp_path / "checkpoints").exists()
+    used = model.model_card["training_parameters"]  # what the run trained with (flair's model card)
+    triggers = ("checkpoint_every_n_epochs", "checkpoint_every_n_steps", "checkpoint_every_n_minutes")
+    assert {name: used[name] for name in triggers} == dict(zip(triggers, (0, None, None), strict=True))
+    defaults = inspect.signature(getattr(FabricTrainer, method)).parameters
+    assert [defaults[name].default for name in triggers] == [0, None, None], "the documented defaults"
 
 
 def test_only_the_newest_checkpoint_is_kept_by_default(tmp_path: Path) -> None:
@@ -62,29 +72,53 @@ def test_only_the_newest_checkpoint_is_kept_by_default(tmp_path: Path) -> None:
     assert [path.name for path in (tmp_path / "checkpoints").iterdir()] == [kept[0].name], "nothing else is left"
 
 
+def test_checkpoints_every_n_epochs_are_taken_after_epochs_n_2n_in_base_path_checkpoints(tmp_path: Path) -> None:
+    """README: checkpoint_every_n_epochs=2 over 5 epochs writes a complete checkpoint to base_path/checkpoints/ after
+    epochs 2 and 4, and after no other epoch."""
+    corpus = small_trec()
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path, max_epochs=5, mini_batch_size=16, checkpoint_every_n_epochs=2, keep_checkpoints=10, **ONE_PROCESS
+    )
+    saved = complete_checkpoints(tmp_path)
+    assert [(read_progress(path).epoch, read_progress(path).step_in_epoch) for path in saved] == [(2, 0), (4, 0)]
+    assert {path.parent for path in saved} == {tmp_path / "checkpoints"}
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == sorted(path.name for path in saved)
+
+
 # --- a step checkpoint at an epoch's last step --------------------------------------------------------------------
 
 
-def test_a_step_checkpoint_due_at_an_epochs_last_step_is_taken_after_its_evaluation(tmp_path: Path) -> None:
-    """48 questions in batches of 8 (6 steps per epoch), a checkpoint every 3 steps: steps 3 and 9 are saved inside
-    their epochs; steps 6 and 12 end their epochs and are saved as complete epochs, after the evaluation (they hold
-    the epoch's dev score as the best so far)."""
+STEP_CHECKPOINTS = {  # 6 steps per epoch: step k of the run is step k - 6 * epoch of its epoch
+    3: (2, {3: (0, 3), 6: (1, 0), 9: (1, 3), 12: (2, 0)}),
+    4: (3, {4: (0, 4), 8: (1, 2), 12: (2, 0), 16: (2, 4)}),
+}
+
+
+@pytest.mark.parametrize("every", sorted(STEP_CHECKPOINTS), ids=lambda n: f"every-{n}-steps")
+def test_a_step_checkpoint_due_at_an_epochs_last_step_is_taken_after_its_evaluation(tmp_path: Path, every: int) -> None:
+    """48 questions in batches of 8 (6 steps per epoch), a checkpoint after every optimizer step k divisible by n:
+    with n=3, steps 3 and 9 are saved inside their epochs; steps 6 and 12 end their epochs and are saved as complete
+    epochs, after the evaluation (they hold the epoch's dev score as the best so far). With n=4 over 3 epochs the
+    run's steps 4, 8, 12 and 16 (steps 4 and 2 of epoch 2, the end of epoch 2, step 4 of epoch 3)."""
+    epochs, expected = STEP_CHECKPOINTS[every]
     corpus = small_trec()
     FabricTrainer(tiny_text_classifier(corpus), corpus).train(
-        tmp_path, max_epochs=2, mini_batch_size=8, checkpoint_every_n_steps=3, keep_checkpoints=10, **ONE_PROCESS
+        tmp_path,
+        max_epochs=epochs,
+        mini_batch_size=8,
+        checkpoint_every_n_steps=every,
+        keep_checkpoints=10,
+        **ONE_PROCESS,
     )
     saved = {path.name: read_progress(path) for path in complete_checkpoints(tmp_path)}
-    assert sorted(saved) == [f"step-{step:09d}" for step in (3, 6, 9, 12)]
-    inside = {name: (p.epoch, p.step_in_epoch) for name, p in saved.items()}
-    assert inside == {
-        "step-000000003": (0, 3),
-        "step-000000006": (1, 0),
-        "step-000000009": (1, 3),
-        "step-000000012": (2, 0),
-    }
+    assert sorted(saved) == [f"step-{step:09d}" for step in expected]
+    inside = {int(name.split("-")[1]): (p.epoch, p.step_in_epoch) for name, p in saved.items()}
+    assert inside == expected
     dev_scores = _loss_column(tmp_path, "DEV_F1")  # the main metric: micro F1
-    assert saved["step-000000006"].best_epoch_score == pytest.approx(dev_scores[0], abs=1e-4)
-    assert saved["step-000000012"].best_epoch_score == pytest.approx(max(dev_scores), abs=1e-4)
+    for step, (epoch, step_in_epoch) in expected.items():
+        if step_in_epoch == 0:  # an epoch's end: after its evaluation, the best dev score so far
+            best = saved[f"step-{step:09d}"].best_epoch_score
+            assert best == pytest.approx(max(dev_scores[:epoch]), abs=1e-4), step
 
 
 # --- agreement points ---------------------------------------------------------------------------------------------
@@ -136,6 +170,41 @@ def test_the_ranks_agree_at_log_points_and_every_20_steps_never_each_step(
     assert taken[0].step_in_epoch == 20
 
 
+def test_checkpoints_by_time_come_every_n_minutes_of_rank_0s_clock_at_the_next_agreement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock that advances one minute per step and checkpoint_every_n_minutes=45: the clock asks after 45 minutes
+    since the last checkpoint (the run's start, then each checkpoint), and the checkpoint is taken at the next
+    agreement point (flair's log points every 25 steps, and every 20 steps)."""
+    steps = _Steps()
+    started: list[float] = []
+
+    def one_minute_per_step() -> float:
+        started[:] = started or [checkpointing_time.monotonic()]  # (the run's start is read from the real clock)
+        return started[0] + 60.0 * steps.step
+
+    checkpointing_time = checkpointing.time
+    monkeypatch.setattr(checkpointing, "time", types.SimpleNamespace(monotonic=one_minute_per_step))
+    corpus = small_trec(train_size=STEPS)
+    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+        tmp_path,
+        max_epochs=1,
+        mini_batch_size=1,
+        checkpoint_every_n_minutes=45,
+        keep_checkpoints=1000,
+        plugins=[steps],
+        **ONE_PROCESS,
+    )
+    expected, last, asked = [], 0, False
+    for step in range(1, STEPS + 1):
+        if asked and step in AGREEMENTS:  # (step 250, the epoch's last, is one)
+            expected.append(step)
+            last, asked = step, False
+        asked = asked or step - last >= 45
+    assert expected == [50, 100, 150, 200, 250]
+    assert [read_progress(path).batch_count for path in complete_checkpoints(tmp_path)] == expected
+
+
 @pytest.mark.parametrize(
     ("requeue_signal", "sent"),
     [(None, signal.SIGUSR1), ("SIGTERM", signal.SIGTERM), ("USR1", signal.SIGUSR1)],
@@ -164,6 +233,33 @@ def test_a_preemption_signal_is_taken_within_20_steps(
     taken = complete_checkpoints(tmp_path)
     assert [(read_progress(path).epoch, read_progress(path).step_in_epoch) for path in taken] == [(0, 20)]
     assert not (tmp_path / "final-model.pt").exists(), "a preempted run ends for its requeue"
+
+
+def test_requeue_signal_none_leaves_sigusr1_to_the_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """requeue_signal=None: no preemption signal. SIGUSR1 at step 1 reaches the program's own handler, the run
+    trains to its end (final-model.pt), writes no checkpoint and does not exit."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    received: list[int] = []
+
+    class SignalAtStepOne(TrainerPlugin):
+        @TrainerPlugin.hook
+        def after_training_batch(self, batch_no: int, **kw: Any) -> None:
+            if batch_no == 0:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    corpus = small_trec()
+    previous = signal.signal(signal.SIGUSR1, lambda number, frame: received.append(number))
+    try:
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(
+            tmp_path, max_epochs=1, mini_batch_size=8, requeue_signal=None, plugins=[SignalAtStepOne()], **ONE_PROCESS
+        )
+    except SystemExit as exited:
+        pytest.fail(f"requeue_signal=None took SIGUSR1 as a preemption (exit code {exited.code})")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert received == [signal.SIGUSR1], "the program's own SIGUSR1 handler ran once"
+    assert (tmp_path / "final-model.pt").is_file()
+    assert complete_checkpoints(tmp_path) == [] and not (tmp_path / "checkpoints").exists()
 
 
 # --- requeue_signal -----------------------------------------------------------------------------------------------
@@ -206,6 +302,9 @@ def test_requeue_signal_is_sigusr1_unless_given() -> None:
 # --- resume_from="auto" without a checkpoint ----------------------------------------------------------------------
 
 
+AUTO_REFUSED = r"is not a flair-fabric checkpoint|nothing in it was run"
+
+
 @pytest.mark.parametrize("earlier_run", [False, True], ids=["empty-folder", "run-without-checkpoints"])
 def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path: Path, earlier_run: bool) -> None:
     """``resume_from="auto"`` in a folder with no complete checkpoint (empty, or a run that wrote none, with a
@@ -216,11 +315,14 @@ def test_resume_auto_without_a_checkpoint_starts_afresh(tmp_path: Path, earlier_
         (tmp_path / "checkpoints" / ".step-000000003.tmp").mkdir(parents=True)
         for written in ("final-model.pt", "loss.tsv"):  # (flair appends a second table to an existing loss.tsv)
             (tmp_path / written).unlink()
+    model = tiny_text_classifier(corpus)
     try:
-        FabricTrainer(tiny_text_classifier(corpus), corpus).train(
-            tmp_path, max_epochs=2, mini_batch_size=8, resume_from="auto", **ONE_PROCESS
-        )
+        assert find_checkpoint("auto", tmp_path) is None, "no checkpoint to resume"
+        assert checkpoint_to_resume(model, tmp_path, 0, "auto") == (None, 0), "a fresh start, from epoch 0"
+        FabricTrainer(model, corpus).train(tmp_path, max_epochs=2, mini_batch_size=8, resume_from="auto", **ONE_PROCESS)
     except ValueError as error:
+        if not re.search(AUTO_REFUSED, str(error)):
+            raise
         pytest.fail(f'resume_from="auto" without a checkpoint was refused: {error}')
     assert (tmp_path / "final-model.pt").is_file()
     assert [line.split("\t")[0] for line in (tmp_path / "loss.tsv").read_text().splitlines()] == ["EPOCH", "1", "2"]

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import flair.nn
 import pytest
 from flair.models import TextClassifier
+from flair.trainers import ModelTrainer
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from flair_fabric import FabricTrainer
-from flair_fabric.state.model_files import save_model_atomically
+from flair_fabric.state import model_files
+from flair_fabric.state.model_files import save_model_atomically, save_on_global_zero
 
-from ..support import small_trec, state_dict_difference, tiny_text_classifier
+from ..support import counting_saves, small_trec, state_dict_difference, tiny_text_classifier
 
 
 def test_a_save_that_fails_midway_keeps_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,6 +39,29 @@ def test_a_save_that_fails_midway_keeps_the_previous_file(tmp_path: Path, monkey
     assert target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["best-model.pt"], "the temporary file is removed"
     assert state_dict_difference(TextClassifier.load(target).state_dict(), model.state_dict()) == 0.0
+
+
+def test_a_sharded_models_save_that_fails_midway_keeps_the_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's save of a sharded model (its whole weights gathered to global rank 0, written as a flair model
+    file) goes through the temporary file and the rename too."""
+    model = tiny_text_classifier(small_trec())
+    target = tmp_path / "final-model.pt"
+    rank_zero = SimpleNamespace(is_global_zero=True, world_size=1)
+    save_on_global_zero(rank_zero, model, target, False, weights=model.state_dict())  # type: ignore[arg-type]
+    before = target.read_bytes()
+    assert state_dict_difference(TextClassifier.load(target).state_dict(), model.state_dict()) == 0.0
+
+    def write_half_then_crash(state: Any, path: Any) -> None:
+        Path(path).write_bytes(b"x" * 100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model_files, "save_flair_state", write_half_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_on_global_zero(rank_zero, model, target, False, weights=model.state_dict())  # type: ignore[arg-type]
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["final-model.pt"], "the temporary file is removed"
 
 
 class _BetterEveryEpoch(TextClassifier):
@@ -101,3 +128,25 @@ def test_a_model_file_the_trainer_fails_to_write_leaves_the_previous_one(
     assert (base_path / target).read_bytes() == complete[target], f"{target} is what its last complete save wrote"
     TextClassifier.load(base_path / target)
     assert not list(base_path.glob(".*.tmp")), "the temporary file is removed"
+
+
+@pytest.mark.multiprocess
+def test_every_model_file_is_written_once_by_global_rank_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model files a run writes (best-model.pt after each better epoch, model_epoch_k.pt, final-model.pt), as
+    flair's own trainer in one process writes them: on two ranks each is written once, by global rank 0 (forked
+    workers inherit the count)."""
+    corpus = small_trec()
+    options: dict[str, Any] = {"max_epochs": 2, "save_model_each_k_epochs": 1, "create_file_logs": False}
+    flair_save = flair.nn.Model.save
+    flairs, ours = tmp_path / "flair-saves.txt", tmp_path / "saves.txt"
+    monkeypatch.setattr(flair.nn.Model, "save", counting_saves(flairs, flair_save))
+    model = tiny_text_classifier(corpus, model_class=_BetterEveryEpoch)
+    ModelTrainer(model, corpus).train(tmp_path / "flair", mini_batch_size=8, **options)
+    monkeypatch.setattr(flair.nn.Model, "save", counting_saves(ours, flair_save))
+    model = tiny_text_classifier(corpus, model_class=_BetterEveryEpoch)
+    FabricTrainer(model, corpus).train(
+        tmp_path / "fabric", mini_batch_size=4, accelerator="cpu", devices=2, strategy="ddp_fork", **options
+    )
+    written = sorted(line.split()[1] for line in flairs.read_text().splitlines())
+    assert {"best-model.pt", "model_epoch_1.pt", "model_epoch_2.pt", "final-model.pt"} <= set(written), written
+    assert sorted(ours.read_text().splitlines()) == [f"0 {name}" for name in written]

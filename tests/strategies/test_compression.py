@@ -3,6 +3,7 @@ stay identical, the result moves a little away from exact DDP (the hook is reall
 
 from __future__ import annotations
 
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,14 @@ import torch
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings
 from flair.models import TextClassifier
 from flair.trainers.plugins import TrainerPlugin
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy
 from flair_fabric.datasets import TREC_LABEL_TYPE
+from flair_fabric.strategies.compression import register_compression
 
-from ..support import out_of_step_is_a_hang, small_trec, state_dict_difference, tiny_text_classifier
+from ..support import RunHung, out_of_step_is_a_hang, small_trec, state_dict_difference, tiny_text_classifier
 
 
 class _SavesEveryRanksWeights(TrainerPlugin):
@@ -85,24 +88,67 @@ def test_compressed_ranks_stay_identical_and_close_to_exact(
     assert 0.0 < share <= largest_share, f"{compression}: {share:.4f} of training's change away from exact DDP"
 
 
+def _recording_bucket_order(folder: Path) -> Any:
+    """PyTorch's ``powerSGD_hook``, writing on each rank when it starts a bucket and when that bucket's collectives
+    end ("start <index>" / "end <index>" lines of ``<folder>/buckets-rank<r>.txt``, written as they happen)."""
+    original = powerSGD_hook.powerSGD_hook
+
+    def recording(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        path, index = folder / f"buckets-rank{torch.distributed.get_rank()}.txt", bucket.index()
+        with path.open("a") as events:
+            events.write(f"start {index}\n")
+
+        def ended(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            with path.open("a") as events:
+                events.write(f"end {index}\n")
+            return future.value()
+
+        return original(state, bucket).then(ended)
+
+    return recording
+
+
 @pytest.mark.multiprocess
-def test_powersgd_over_several_buckets_keeps_the_ranks_collectives_in_step(tmp_path: Path) -> None:
-    # PowerSGD all-reduces each bucket twice, the second time from a callback: unordered, two buckets' collectives
-    # can meet in a different order on each rank (gloo: "Received data size doesn't match expected size")
+def test_powersgd_over_several_buckets_keeps_the_ranks_collectives_in_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/ddp-communication.md: PowerSGD runs one bucket after the other, so the ranks' collectives stay in step.
+    PowerSGD all-reduces each bucket twice, the second time from a callback: unordered, two buckets' collectives can
+    meet in a different order on each rank (gloo: "Received data size doesn't match expected size"). Recorded on each
+    rank: a bucket starts only after the bucket started before it has ended, and both ranks run the same sequence."""
+    monkeypatch.setattr(powerSGD_hook, "powerSGD_hook", _recording_bucket_order(tmp_path))  # forked ranks inherit it
     options = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 2}
-    with out_of_step_is_a_hang():
-        rank0, rank1 = _train(
-            tmp_path / "run", larger=True, bucket_cap_mb=1, gradient_compression="powersgd", powersgd_options=options
+    failure: RunHung | None = None
+    try:
+        with out_of_step_is_a_hang():
+            rank0, rank1 = _train(
+                tmp_path / "run",
+                larger=True,
+                bucket_cap_mb=1,
+                gradient_compression="powersgd",
+                powersgd_options=options,
+            )
+    except RunHung as hung:  # the ranks fell out of step: the recorded order says why, then the hang is reported
+        failure = hung
+    sequences = [(tmp_path / f"buckets-rank{rank}.txt").read_text().split("\n")[:-1] for rank in (0, 1)]
+    for rank, sequence in enumerate(sequences):
+        assert len({event.split()[1] for event in sequence}) > 1, "several buckets"
+        in_flight = [event.split()[0] for event in sequence]
+        assert in_flight == ["start", "end"] * (len(sequence) // 2), (
+            f"rank {rank}: a bucket started before the last ended"
         )
+    assert sequences[0] == sequences[1]
+    if failure is not None:
+        raise failure
     assert state_dict_difference(rank0, rank1) == 0.0
 
 
 @pytest.mark.multiprocess
 def test_powersgd_with_unused_parameters_is_refused_with_the_reason(tmp_path: Path) -> None:
-    # measured: with find_unused_parameters=True the ranks' PowerSGD collectives fall out of step on gloo
-    with pytest.raises(
-        ProcessRaisedException, match=r"gradient_compression='powersgd' with find_unused_parameters=True"
-    ):
+    # measured: with find_unused_parameters=True the ranks' PowerSGD collectives fall out of step on gloo. The
+    # refusal names both arguments, the reason and the fix
+    refusal = r"(?s)ValueError: gradient_compression='powersgd' with find_unused_parameters=True.*fall out of step"
+    with pytest.raises(ProcessRaisedException, match=refusal + r".*Use 'bf16' or 'fp16', or let every trainable"):
         _train(tmp_path / "run", find_unused_parameters=True, gradient_compression="powersgd")
 
 
@@ -116,7 +162,7 @@ def test_half_precision_compression_works_where_ddp_searches_for_unused_paramete
     exact_weights, moved = exact
     try:
         rank0, rank1 = _train(tmp_path / "run", find_unused_parameters=True, gradient_compression=compression)
-    except Exception as error:  # the refusal that belongs to PowerSGD alone
+    except ProcessRaisedException as error:  # the refusal that belongs to PowerSGD alone
         if "with find_unused_parameters=True" in str(error):
             pytest.fail(f"gradient_compression={compression!r} with find_unused_parameters=True was refused: {error}")
         raise
@@ -129,6 +175,9 @@ def test_half_precision_compression_works_where_ddp_searches_for_unused_paramete
     ("arguments", "message"),
     [
         ({"gradient_compression": "int8"}, r"gradient_compression='int8' is not valid"),
+        ({"gradient_compression": "BF16"}, r"gradient_compression='BF16' is not valid: pass None .* or one of 'bf16'"),
+        ({"gradient_compression": ""}, r"gradient_compression='' is not valid"),
+        ({"gradient_compression": "powerSGD"}, r"gradient_compression='powerSGD' is not valid"),
         ({"powersgd_options": {"matrix_approximation_rank": 2}}, r"powersgd_options is given but"),
         ({"gradient_compression": "powersgd", "powersgd_options": {"rank": 2}}, r"unknown option\(s\) \['rank'\]"),
     ],
@@ -136,3 +185,45 @@ def test_half_precision_compression_works_where_ddp_searches_for_unused_paramete
 def test_bad_compression_arguments_are_refused_by_name(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         FlairDDPStrategy(**arguments)
+
+
+class _Bucket:
+    """A DDP gradient bucket as the hook sees it: its flat buffer."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = torch.tensor(values)
+
+    def buffer(self) -> torch.Tensor:
+        return self.values
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_half_precision_sends_each_buckets_average_divided_before_the_cast(
+    monkeypatch: pytest.MonkeyPatch, compression: str
+) -> None:
+    """docs/ddp-communication.md: bf16/fp16 all-reduce each bucket's average, cast to half precision after the
+    division by the world size, summed, cast back: a gradient beyond float16's range (81920 > 65504) whose average
+    fits arrives whole. On 2 ranks (the all-reduce stands in for a second rank that sends zeros) the bucket ends
+    holding its average."""
+    sent: list[torch.Tensor] = []
+
+    def all_reduce(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        sent.append(tensor.clone())
+        done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        done.set_result([tensor])  # + the other rank's zeros
+        return types.SimpleNamespace(get_future=lambda: done)
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    bucket = _Bucket([81920.0, 1.0, -3.0])
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[compression]
+    registered: list[Any] = []
+    register_compression(  # the hook and its state, as the strategy registers them
+        types.SimpleNamespace(register_comm_hook=lambda state, hook: registered.append((state, hook))), compression, {}
+    )
+    [(state, hook)] = registered
+    result = hook(state, bucket).wait()
+    assert [tensor.dtype for tensor in sent] == [dtype], "what is all-reduced"
+    assert sent[0].tolist() == [40960.0, 0.5, -1.5], "divided by the world size before the cast: it fits"
+    assert bucket.values.dtype == torch.float32 and bucket.values.tolist() == [40960.0, 0.5, -1.5], "written back"
+    assert result.tolist() == [40960.0, 0.5, -1.5]

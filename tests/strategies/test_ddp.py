@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -14,12 +15,14 @@ import flair
 import pytest
 import torch
 from flair.models import TextClassifier
+from flair.trainers import ModelTrainer
 from flair.trainers.plugins import MetricHistoryPlugin, TrainerPlugin
 
 from flair_fabric import FabricTrainer
 
 from ..support import (
     UNION,
+    RunCrashed,
     make_tiny_bert,
     run_script,
     small_trec,
@@ -43,17 +46,31 @@ def _epoch_lines(path: Path, marker: str) -> list[str]:
     return [line for line in path.read_text().splitlines() if marker in line]
 
 
-def _one_process_reference(tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+LOG_POINT = re.compile(r"epoch (\d+) - iter (\d+)/(\d+) - loss ([0-9.]+)")
+"""flair's line at a log point: epoch, iter i/n and the epoch's train loss so far."""
+
+
+@pytest.fixture(scope="module")
+def flair_on_the_union(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], list[float], Path]:
+    """The reference: flair's own ModelTrainer in one process, on the union of the two ranks' batches (batches of
+    2 x 4), with the same arguments: its weights, its train losses and its training.log."""
+    out = tmp_path_factory.mktemp("flair-on-the-union")
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
-    result = FabricTrainer(model, corpus).train_custom(
-        tmp_path, **UNION, mini_batch_size=8, accelerator="cpu", devices=1, plugins=[MetricHistoryPlugin()]
-    )
-    return model.state_dict(), result["train_loss_history"]
+    result = ModelTrainer(model, corpus).train_custom(out, **UNION, mini_batch_size=8, plugins=[MetricHistoryPlugin()])
+    return model.state_dict(), result["train_loss_history"], out / "training.log"
 
 
-def test_two_ranks_equal_one_process_on_the_union_of_their_batches(two_rank_runs: Path, tmp_path: Path) -> None:
-    reference_weights, reference_losses = _one_process_reference(tmp_path)
+def test_two_ranks_equal_one_process_on_the_union_of_their_batches(
+    two_rank_runs: Path, flair_on_the_union: tuple[dict[str, torch.Tensor], list[float], Path]
+) -> None:
+    """docs/ddp-communication.md: with the exact defaults 2 ranks end within 1e-5 of flair's one-process training on
+    the union of their batches (dealt by length, strided, chunked). docs/launching.md: the train loss, at each log
+    point and at each epoch's end, is the sample-weighted mean over every rank's data points, as flair's one process
+    computes it over the same points."""
+    reference_weights, reference_losses, reference_log = flair_on_the_union
+    flairs_log_points = LOG_POINT.findall(reference_log.read_text())
+    assert len(flairs_log_points) == 3 * 6, "flair logs every step of its 3 epochs of 6 steps"
     for name in ("union", "union_chunked", "strided"):
         weights = _weights(two_rank_runs / name, 0)
         assert state_dict_difference(weights["initial"], weights["final"]) > 1e-3, "the model must have trained"
@@ -62,6 +79,13 @@ def test_two_ranks_equal_one_process_on_the_union_of_their_batches(two_rank_runs
         losses = _summary(two_rank_runs / name, 0)["result"]["train_loss_history"]
         for expected, actual in zip(reference_losses, losses, strict=True):
             assert math.isclose(expected, actual, rel_tol=1e-5), (name, expected, actual)
+        log_points = LOG_POINT.findall((two_rank_runs / name / "training.log").read_text())
+        assert [point[:3] for point in log_points] == [point[:3] for point in flairs_log_points], name
+        for (epoch, step, _, expected), (*_, actual) in zip(flairs_log_points, log_points, strict=True):
+            assert math.isclose(float(expected), float(actual), rel_tol=1e-5), (name, epoch, step, expected, actual)
+        # and training.log's "EPOCH n done: loss X" line shows that global loss (4 decimals), not rank 0's own
+        logged = re.findall(r"EPOCH (\d+) done: loss ([0-9.]+)", (two_rank_runs / name / "training.log").read_text())
+        assert logged == [(str(epoch), f"{loss:.4f}") for epoch, loss in enumerate(losses, start=1)], name
 
 
 def test_balanced_steps_hold_the_strided_steps_data_and_pad_the_slowest_rank_less(two_rank_runs: Path) -> None:
@@ -84,6 +108,12 @@ def test_balanced_steps_hold_the_strided_steps_data_and_pad_the_slowest_rank_les
         slowest_balanced += slowest
         slowest_strided += max(padded(strided[r][step]) for r in (0, 1))
     assert slowest_balanced < 0.9 * slowest_strided, (slowest_balanced, slowest_strided)
+    # balance_batches=False: strided shards of equal size, rank r reading the epoch's order[r::2] in batches of 4
+    train = list(small_trec().train)  # the runs' corpus; shuffle=False: every epoch reads it in this order
+    for rank in (0, 1):
+        shard = [[sentence.to_original_text(), len(sentence)] for sentence in train[rank::2]]
+        expected = [shard[start : start + 4] for start in range(0, len(shard), 4)] * UNION["max_epochs"]
+        assert strided[rank] == expected, f"rank {rank}"
     final = {name: _weights(two_rank_runs / name, 0)["final"] for name in ("union", "strided")}
     assert state_dict_difference(final["union"], final["strided"]) <= 1e-6
 
@@ -98,6 +128,8 @@ def test_all_ranks_end_with_the_same_weights_and_results(two_rank_runs: Path) ->
         assert (summary0["world_size"], summary1["world_size"]) == (2, 2)
         # the script's model (rank 0 is the user's process under the relaunch) is left as flair's trainer leaves it
         assert summary0["training"] is False and summary0["model_card"] is not None, name
+    # including what a plugin added on global rank 0 only
+    assert _summary(two_rank_runs / "defaults", 1)["result"].get("added_on_rank_zero") == 1.0
 
 
 def test_a_one_machine_run_listens_on_loopback_only(two_rank_runs: Path) -> None:
@@ -124,16 +156,19 @@ def test_logs_and_models_are_written_once(two_rank_runs: Path) -> None:
     assert (run_dir / "final-model.pt").exists()
 
 
-def test_torchrun_launched_script_trains_unchanged(tmp_path: Path) -> None:
+def test_torchrun_launched_script_trains_unchanged(
+    tmp_path: Path, flair_on_the_union: tuple[dict[str, torch.Tensor], list[float], Path]
+) -> None:
     runs = [{"name": "torchrun", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}}]
     config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
     torchrun = shutil.which("torchrun", path=str(Path(flair.__file__).parents[4] / "bin"))
-    assert torchrun is not None
+    if torchrun is None:
+        raise RunCrashed("torchrun is not installed beside flair")
     run_script("ddp_runs.py", str(config), launcher=[torchrun, "--standalone", "--nproc_per_node=2"])
     summaries = [_summary(tmp_path / "torchrun", rank) for rank in (0, 1)]
     assert all(summary["torchelastic"] for summary in summaries), "both ranks were started by torchrun"
     assert sorted(summary["local_rank"] for summary in summaries) == [0, 1]
-    reference_weights, _ = _one_process_reference(tmp_path / "reference")
+    reference_weights, _, _ = flair_on_the_union
     assert state_dict_difference(_weights(tmp_path / "torchrun", 1)["final"], reference_weights) <= 1e-5
 
 
@@ -188,13 +223,35 @@ class _OwnRandomStatePerRank(TrainerPlugin):
         (self.out / f"seen-rank{self.trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
-def test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch(tmp_path: Path) -> None:
+def _recording_samples(draw: Any, out: Path) -> Any:
+    """``FabricTrainer._sample_train_split`` that writes, per rank, flair's own draw from this rank's random state and
+    the sample the run uses to ``<out>/sample-rank<r>.json``."""
+
+    def recording(trainer: FabricTrainer, monitor_train_sample: float) -> Any:
+        state = random.getstate()
+        own = list(ModelTrainer._sample_train_split(trainer, monitor_train_sample).indices)
+        random.setstate(state)
+        sample = draw(trainer, monitor_train_sample)
+        rank = trainer.global_rank
+        (out / f"sample-rank{rank}.json").write_text(json.dumps({"own": own, "used": list(sample.indices)}))
+        return sample
+
+    return recording
+
+
+def test_ranks_with_different_random_states_still_read_every_data_point_once_per_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     corpus = small_trec(train_size=49)  # an uneven split: one rank has a point more
+    monkeypatch.setattr(  # the forked ranks inherit it
+        FabricTrainer, "_sample_train_split", _recording_samples(FabricTrainer._sample_train_split, tmp_path)
+    )
     FabricTrainer(tiny_text_classifier(corpus), corpus).train(
         tmp_path,
         max_epochs=2,
         mini_batch_size=4,
         shuffle=True,
+        monitor_train_sample=0.25,
         accelerator="cpu",
         devices=2,
         strategy="ddp_fork",
@@ -205,3 +262,9 @@ def test_ranks_with_different_random_states_still_read_every_data_point_once_per
     for epoch in ("1", "2"):
         assert Counter(seen[0][epoch]) + Counter(seen[1][epoch]) == every_text, f"epoch {epoch}"
     assert seen[0]["1"] != seen[0]["2"], "the order is shuffled anew each epoch"
+    # monitor_train_sample: flair's draw on rank 0, on both ranks (their own draws differ), so the sample's sharded
+    # evaluation needs no fallback to rank 0
+    samples = [json.loads((tmp_path / f"sample-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert samples[0]["own"] != samples[1]["own"], "the ranks' random states differ, so flair's draws differ"
+    assert samples[0]["used"] == samples[1]["used"] == samples[0]["own"]
+    assert "evaluated other data than global rank 0" not in (tmp_path / "training.log").read_text()

@@ -43,12 +43,15 @@ class _Wrapped:
     """(optimizer step, bucket index) -> gradient all-reduces of that bucket in that step."""
     forward_passes: Counter = field(default_factory=Counter)
     """optimizer step -> forward passes (chunks) of the model."""
+    passes_before_all_reduce: dict = field(default_factory=dict)
+    """(optimizer step, bucket index) -> forward passes of that step when the bucket was all-reduced."""
     step: int | None = None
 
 
 def _counting_all_reduce(record: _Wrapped, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's own exact all-reduce hook, counting each call by the optimizer step it happens in."""
     record.all_reduces[(record.step, bucket.index())] += 1
+    record.passes_before_all_reduce[(record.step, bucket.index())] = record.forward_passes[record.step]
     return default_hooks.allreduce_hook(None, bucket)
 
 
@@ -107,6 +110,14 @@ class _WithAnUnusedParameter(TextClassifier):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.never_used = torch.nn.Parameter(torch.zeros(3))
+
+
+class _WithAFrozenParameter(TextClassifier):
+    """The tiny classifier with a frozen parameter (requires_grad=False): no gradient, and none expected."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
 
 
 @contextlib.contextmanager
@@ -202,24 +213,61 @@ def test_ddp_options_given_to_the_strategy_reach_ddp(corpus: Corpus, tmp_path: P
     assert strategy._ddp_kwargs["gradient_as_bucket_view"] is False
 
 
-@pytest.mark.parametrize("unused", [False, True], ids=["every-parameter-learns", "a-parameter-without-gradient"])
+@pytest.mark.parametrize(
+    ("model_class", "unused"),
+    [(TextClassifier, False), (_WithAnUnusedParameter, True), (_WithAFrozenParameter, False)],
+    ids=["every-parameter-learns", "a-parameter-without-gradient", "a-frozen-parameter"],
+)
 def test_ddp_searches_for_unused_parameters_only_where_the_model_has_one(
-    corpus: Corpus, tmp_path: Path, unused: bool
+    corpus: Corpus, tmp_path: Path, model_class: type[TextClassifier], unused: bool
 ) -> None:
     """find_unused_parameters="auto" (the default): DDP's graph search is on exactly when some trainable parameter
-    gets no gradient (found here by a backward pass of our own)."""
-    model_class = _WithAnUnusedParameter if unused else TextClassifier
+    gets no gradient (found here by a backward pass of our own); a frozen parameter is not one."""
     without_gradient = _parameters_without_gradient(tiny_text_classifier(corpus, model_class=model_class), corpus)
     assert bool(without_gradient) is unused, without_gradient
     record = _Wrapped()
     try:
         _train(tmp_path, corpus, tiny_text_classifier(corpus, model_class=model_class), record)
-    except Exception as error:  # DDP without the search fails in the second step where a parameter is unused
-        failure: Exception | None = error
+    except RuntimeError as error:  # DDP without the search fails in the second step where a parameter is unused
+        failure: RuntimeError | None = error
     else:
         failure = None
     assert record.find_unused_parameters is unused, f"parameters without a gradient: {without_gradient}"
-    assert failure is None, f"training failed: {failure}"
+    if failure is not None:
+        raise failure  # the search was decided right and training failed anyway: a crash, not this claim
+
+
+@pytest.mark.parametrize(
+    ("name", "model_class", "forced"),
+    [
+        ("ddp_find_unused_parameters_true", TextClassifier, True),
+        ("ddp_find_unused_parameters_false", _WithAnUnusedParameter, False),
+    ],
+    ids=["true-where-every-parameter-learns", "false-where-a-parameter-gets-no-gradient"],
+)
+def test_a_forced_find_unused_parameters_reaches_ddp(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, model_class: type, forced: bool
+) -> None:
+    """README: a ddp* strategy name with _find_unused_parameters_true/_false forces DDP's search on or off: the DDP
+    module the run builds from the name gets the forced value, where the probe would have decided the other one."""
+    record = _Wrapped()
+    build = FlairDDPStrategy.setup_module
+
+    def recording(self: FlairDDPStrategy, module: torch.nn.Module) -> DistributedDataParallel:
+        wrapped = build(self, module)
+        record.find_unused_parameters = wrapped.find_unused_parameters
+        return wrapped
+
+    monkeypatch.setattr(FlairDDPStrategy, "setup_module", recording)
+    model = tiny_text_classifier(corpus, model_class=model_class)
+    options = {"max_epochs": 1, "mini_batch_size": 8, "accelerator": "cpu", "devices": 1, "strategy": name}
+    with _in_this_process():
+        if forced:
+            FabricTrainer(model, corpus).train(tmp_path, **options)
+        else:  # DDP without the search fails at the second step, where the unused parameter has no gradient
+            with pytest.raises(RuntimeError, match="Expected to have finished reduction"):
+                FabricTrainer(model, corpus).train(tmp_path, **options)
+    assert record.find_unused_parameters is forced
 
 
 def test_ddp_all_reduces_each_bucket_once_per_optimizer_step_with_chunks(corpus: Corpus, tmp_path: Path) -> None:
@@ -234,6 +282,7 @@ def test_ddp_all_reduces_each_bucket_once_per_optimizer_step_with_chunks(corpus:
     assert buckets and None not in {step for step, _ in record.all_reduces}, "all-reduces happen inside steps only"
     per_step = {(step, bucket): record.all_reduces[(step, bucket)] for step in steps for bucket in buckets}
     assert set(per_step.values()) == {1}, f"all-reduces per (step, bucket): {per_step}"
+    assert set(record.passes_before_all_reduce.values()) == {2}, "the sync comes with the last chunk, not the first"
 
 
 def _powersgd_states(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
@@ -274,8 +323,18 @@ def _powersgd_states(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
                 "warm_start": False,
             },
         ),
+        (
+            {"matrix_approximation_rank": 2},  # one option given: the others keep flair-fabric's defaults
+            {
+                "matrix_approximation_rank": 2,
+                "start_powerSGD_iter": 10,
+                "min_compression_rate": 2,
+                "use_error_feedback": True,
+                "warm_start": True,
+            },
+        ),
     ],
-    ids=["defaults", "options-override"],
+    ids=["defaults", "options-override", "options-override-one"],
 )
 def test_ddp_powersgd_runs_with_the_documented_defaults_or_the_given_options(
     corpus: Corpus,

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from flair.models import TextClassifier
+from flair.trainers.plugins import TrainerPlugin
+from lightning.fabric.strategies import DeepSpeedStrategy
+from torch.multiprocessing.spawn import ProcessExitedException
 
-from flair_fabric import FabricTrainer, FlairFSDPStrategy
+from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric.state.model_state import copy_model
+from flair_fabric.strategies import keeps_whole_model
 from flair_fabric.strategies.fsdp import ShardedCopy, shard_transformer_layers, transformer_layer_classes
 
 from ..support import (
@@ -47,7 +52,15 @@ ANNEALED = {
     },
 }
 LOSS_TOLERANCE = 1e-5  # relative; FSDP reduce-scatters where DDP all-reduces: the sums differ in rounding only
-WEIGHT_TOLERANCE = 5e-4  # absolute, after all epochs (observed: 4e-5 after fine-tuning)
+WEIGHT_TOLERANCE = 1e-5  # absolute, every parameter after all epochs (observed: <= 3.6e-7 with SGD, <= 1.2e-7 with
+# AdamW outside the parameters below)
+ADAMW_NOISE_TOLERANCE = 2e-4  # absolute, under AdamW, for the parameters below (observed: 8.25e-5 and 2.4e-5)
+ADAMW_NOISE = ("attention.self.key.bias", "embeddings.word_embeddings.weight")
+"""Parameters whose gradient is zero or nearly so, where AdamW divides the rounding noise of the gradient reduction
+by its own running RMS and takes steps of about the learning rate from it: the attention key biases (softmax ignores
+a constant added to every key of a query, so their exact gradient is zero: what is computed is rounding) and the
+embedding entries of rare words (one entry of 10848 above 1e-5: a sum that nearly cancels). Their weights differ from
+DDP's by more than rounding; every other parameter stays within WEIGHT_TOLERANCE."""
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +111,18 @@ def test_fsdp_trains_like_ddp(fsdp_and_ddp: Path, setting: str) -> None:
         assert [e["best"] for e in _summary(fsdp, rank)["evaluations"]] == [
             e["best"] for e in _summary(ddp, rank)["evaluations"]
         ]
-    assert state_dict_difference(_handed_back(ddp, 0), _handed_back(fsdp, 0)) <= WEIGHT_TOLERANCE
+    # the logged gradient norm is the whole gradient's, as DDP logs it, and clipping (at 5.0) happened
+    for rank in (0, 1):
+        ddp_norms, fsdp_norms = _summary(ddp, rank)["gradient_norms"], _summary(fsdp, rank)["gradient_norms"]
+        assert len(fsdp_norms) == len(_summary(ddp, rank)["lr_trace"]) > 0, "one per step"
+        assert fsdp_norms == pytest.approx(ddp_norms, rel=LOSS_TOLERANCE)
+        assert max(fsdp_norms) > 5.0
+    ddp_weights, fsdp_weights = _handed_back(ddp, 0), _handed_back(fsdp, 0)
+    assert ddp_weights.keys() == fsdp_weights.keys()
+    for name, weight in ddp_weights.items():
+        noise = setting == "fine_tuned" and name.endswith(ADAMW_NOISE)  # fine_tune: AdamW
+        difference = (weight - fsdp_weights[name]).abs().max().item()
+        assert difference <= (ADAMW_NOISE_TOLERANCE if noise else WEIGHT_TOLERANCE), (name, difference)
     assert state_dict_difference(_handed_back(fsdp, 0), _handed_back(fsdp, 1)) == 0.0, "every rank gets the model"
     if setting == "annealed":
         assert "resetting to best model" in (fsdp / "training.log").read_text(), "annealing must have restarted"
@@ -106,10 +130,12 @@ def test_fsdp_trains_like_ddp(fsdp_and_ddp: Path, setting: str) -> None:
 
 @pytest.mark.multiprocess
 def test_fsdp_holds_at_most_six_tenths_of_the_ddp_parameters_and_optimizer_state(fsdp_and_ddp: Path) -> None:
-    for rank in (0, 1):
-        ddp = _summary(fsdp_and_ddp / "fine_tuned-ddp", rank)["held_bytes"]
-        fsdp = _summary(fsdp_and_ddp / "fine_tuned-fsdp", rank)["held_bytes"]
+    for rank in (0, 1):  # counted by the script: parameters and optimizer state, a shard by its local size
+        ddp = _summary(fsdp_and_ddp / "fine_tuned-ddp", rank)["counted_bytes"]
+        fsdp = _summary(fsdp_and_ddp / "fine_tuned-fsdp", rank)["counted_bytes"]
         assert ddp[0] > 0 and all(held <= 0.6 * ddp[0] for held in fsdp), (rank, fsdp, ddp)
+    log = (fsdp_and_ddp / "fine_tuned-fsdp" / "training.log").read_text()
+    assert "FSDP: 3 shard unit(s) plus the root, over 2 process(es)" in log, "the embeddings and the 2 layers"
 
 
 @pytest.mark.multiprocess
@@ -139,19 +165,55 @@ def test_the_default_policy_shards_each_transformer_layer(tmp_path: Path) -> Non
     ]
 
 
+class _BatchesRead(TrainerPlugin):
+    """Writes the (text, tokens) of every batch this rank trains on, as it starts the step, to a line of
+    ``<folder>/batches-rank<r>.jsonl`` (so a run whose ranks fall out of step still leaves what they read)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    @TrainerPlugin.hook
+    def before_training_batch(self, batch: list, **kwargs: Any) -> None:
+        with (self.folder / f"batches-rank{self.trainer.global_rank}.jsonl").open("a") as batches:
+            batches.write(json.dumps([[sentence.to_original_text(), len(sentence)] for sentence in batch]) + "\n")
+
+
+def test_only_whole_model_strategies_deal_steps_by_length() -> None:
+    """docs/ddp-communication.md: FSDP and DeepSpeed keep strided shards; DDP (and one device) deal by length."""
+    deepspeed = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # Lightning's constructor needs the deepspeed package
+    assert [keeps_whole_model(strategy) for strategy in (FlairFSDPStrategy(), deepspeed)] == [False, False]
+    assert [keeps_whole_model(strategy) for strategy in (FlairDDPStrategy(), "auto")] == [True, True]
+
+
 @pytest.mark.multiprocess
 def test_fsdp_with_forked_workers_and_a_user_policy_gives_the_caller_the_trained_model(tmp_path: Path) -> None:
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    FabricTrainer(model, corpus).train(
-        tmp_path,
-        max_epochs=2,
-        mini_batch_size=4,
-        accelerator="cpu",
-        devices=2,
-        strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
-    )
+    died: ProcessExitedException | None = None
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path,
+            max_epochs=2,
+            mini_batch_size=4,
+            shuffle=False,
+            accelerator="cpu",
+            devices=2,
+            strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
+            plugins=[_BatchesRead(tmp_path)],
+        )
+    except ProcessExitedException as exited:  # (gloo aborts FSDP ranks whose batches differ): what they read first
+        died = exited
+    # docs/ddp-communication.md: FSDP keeps strided shards (balance_batches is on by default): rank r reads the
+    # epoch's order[r::2] in batches of 4, the same number of points on both ranks
+    for rank in (0, 1):
+        shard = [[sentence.to_original_text(), len(sentence)] for sentence in list(corpus.train)[rank::2]]
+        expected = [shard[start : start + 4] for start in range(0, len(shard), 4)] * 2
+        read = [json.loads(line) for line in (tmp_path / f"batches-rank{rank}.jsonl").read_text().splitlines()]
+        assert read and read == (expected if died is None else expected[: len(read)]), f"rank {rank}"
+    if died is not None:
+        raise died
     # the pooling embedding's two maps and the decoder are the three Linear layers
     assert "FSDP: 3 shard unit(s) plus the root, over 2 process(es)" in (tmp_path / "training.log").read_text()
     trained = model.state_dict()

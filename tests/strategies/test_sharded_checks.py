@@ -9,19 +9,22 @@ from typing import Any
 
 import pytest
 import torch
+from flair.embeddings import DocumentPoolEmbeddings
 from flair.models import TextClassifier
 from flair.trainers.plugins import ReduceTransformerVocabPlugin
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.fabric.strategies import DeepSpeedStrategy
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric import trainer as trainer_module
+from flair_fabric.launch.config import make_launch_config
 from flair_fabric.strategies import check_strategy, resolve_strategy, training_strategy
 from flair_fabric.strategies import deepspeed as deepspeed_module
 from flair_fabric.strategies import fsdp as fsdp_module
 from flair_fabric.strategies.fsdp import ShardedCopy, check_fsdp_launch
 
-from ..support import small_trec, tiny_text_classifier
+from ..support import FABRIC_PRECISIONS, make_tiny_bert, small_trec, tiny_text_classifier, tiny_transformer_classifier
 
 
 class _Mesh:
@@ -53,17 +56,19 @@ def _classifier() -> TextClassifier:
     return tiny_text_classifier(small_trec())
 
 
-@pytest.mark.parametrize("kind", ["set of classes", "function", "another function"])
+@pytest.mark.parametrize("kind", ["set of classes", "set of two classes", "function", "another function"])
 def test_the_policy_is_a_set_of_module_classes_or_a_function_and_decides_the_shard_units(
     monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """policy={Linear} and policy=lambda m: isinstance(m, Linear) make exactly the Linear layers shard units (the
-    whole model is the root unit, sharded last); a function that picks the decoder makes it the only unit."""
+    whole model is the root unit, sharded last); {Linear, DocumentPoolEmbeddings} adds the document embedding; a
+    function that picks the decoder makes it the only unit."""
     model = _classifier()
     linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     assert len(linear) == 3  # the pooling embedding's two maps and the decoder
     policies: dict[str, Any] = {
         "set of classes": ({torch.nn.Linear}, linear),
+        "set of two classes": ({torch.nn.Linear, DocumentPoolEmbeddings}, [*linear, "embeddings"]),
         "function": (lambda module: isinstance(module, torch.nn.Linear), linear),
         "another function": (lambda module: module is model.decoder, ["decoder"]),
     }
@@ -71,6 +76,70 @@ def test_the_policy_is_a_set_of_module_classes_or_a_function_and_decides_the_sha
     calls = _shard_calls(monkeypatch, FlairFSDPStrategy(policy=policy), model)
     assert sorted(name for name, _ in calls[:-1]) == sorted(expected)
     assert calls[-1][0] == "", "the whole model is sharded last, as the root unit"
+
+
+def test_the_default_policy_makes_each_transformer_layer_a_shard_unit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """strategy="fsdp" (no policy) on a tiny-BERT classifier: BertEmbeddings and each BertLayer (the classes BERT
+    lists in _no_split_modules) are the shard units; the whole model is the root unit, sharded last."""
+    corpus = small_trec(train_size=12, dev_size=2, test_size=2)
+    model = tiny_transformer_classifier(corpus, make_tiny_bert(tmp_path / "bert", corpus))
+    names = [name for name, _ in _shard_calls(monkeypatch, FlairFSDPStrategy(), model)]
+    assert sorted(names[:-1]) == [
+        "embeddings.model.embeddings",
+        "embeddings.model.encoder.layer.0",
+        "embeddings.model.encoder.layer.1",
+    ]
+    assert names[-1] == "", "the root unit"
+
+
+def test_fsdp_shards_over_every_process_of_every_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 nodes of 2 processes: one data-parallel mesh dimension of 4 (each rank holds a quarter), no other axis."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    monkeypatch.setattr(ModelParallelStrategy, "setup_environment", lambda self: None)  # no process group here
+    strategy = FlairFSDPStrategy()
+    strategy.num_nodes = 2
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.setup_environment()
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
+
+
+FSDP_ACCEPTS = {"32-true", "bf16-mixed", "bf16-true", "16-true"}
+
+
+def _fsdp_refuses(accelerator: str, precision: str) -> bool:
+    """Whether the checks made before any process starts refuse ``precision`` under strategy='fsdp'."""
+    try:
+        check_fsdp_launch(FlairFSDPStrategy(), accelerator, precision)
+    except ValueError as error:
+        assert "strategy='fsdp' does not support precision" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("precision", FABRIC_PRECISIONS, ids=str)
+def test_fsdp_accepts_its_four_precisions_and_refuses_every_other(precision: Any) -> None:
+    """Every spelling of a precision Fabric takes, in Fabric's own name for it: on CUDA the FSDP check accepts
+    32-true, bf16-mixed, bf16-true and 16-true and refuses the rest (16-mixed, 64-true, transformer-engine)."""
+    named = str(_convert_precision_to_unified_args(precision))
+    assert _fsdp_refuses("cuda", named) == (named not in FSDP_ACCEPTS), named
+
+
+def test_fsdp_precisions_on_cpu_before_any_process_starts() -> None:
+    """On CPU the launch (every check made before any process starts) takes fsdp with 32-true, bf16-mixed and
+    bf16-true; 16-true needs a CUDA GPU here as under every strategy, and 64-true is FSDP's refusal."""
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        try:
+            launch = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="fsdp", precision=precision)
+        except ValueError as error:
+            pytest.fail(f"strategy='fsdp' with precision={precision!r} was refused on CPU: {error}")
+        assert launch.precision == precision and isinstance(launch.strategy, FlairFSDPStrategy)
+    with pytest.raises(ValueError, match=r"precision='16-true' needs a CUDA GPU"):
+        make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="fsdp", precision="16-true")
+    with pytest.raises(ValueError, match=r"strategy='fsdp' does not support precision='64-true'"):
+        make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="fsdp", precision="64-true")
 
 
 def test_the_knobs_reach_fully_shard_for_every_shard_unit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +157,7 @@ def test_the_knobs_reach_fully_shard_for_every_shard_unit(monkeypatch: pytest.Mo
         assert options["mp_policy"] is precision, name
         assert options["mesh"] is _Mesh.data_parallel, name
     root = calls[-1][1]
-    assert isinstance(root["offload_policy"], CPUOffloadPolicy) and root["mp_policy"] is precision
+    assert isinstance(root.get("offload_policy"), CPUOffloadPolicy) and root.get("mp_policy") is precision, root
 
     defaults = _shard_calls(monkeypatch, FlairFSDPStrategy(policy={torch.nn.Linear}), _classifier())[:-1]
     for name, options in defaults:  # least memory, no offload, no mixed precision policy of its own
@@ -173,10 +242,24 @@ def test_deepspeed_beyond_stage_2_is_refused(monkeypatch: pytest.MonkeyPatch, st
     check_strategy(_deepspeed(None), "cuda", "32-true")
 
 
+def test_a_deepspeed_strategy_object_needs_a_gpu_and_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Your own DeepSpeedStrategy (stage 2) object: refused on CPU even where the package is installed, and without
+    the package even on CUDA."""
+    strategy = _deepspeed({"zero_optimization": {"stage": 2}})
+    monkeypatch.setattr(deepspeed_module, "deepspeed_is_installed", lambda: True)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        check_strategy(strategy, "cpu", "32-true")
+    check_strategy(strategy, "cuda", "32-true")
+    monkeypatch.setattr(deepspeed_module, "deepspeed_is_installed", lambda: False)
+    with pytest.raises(ValueError, match="deepspeed"):
+        check_strategy(strategy, "cuda", "32-true")
+
+
 def test_deepspeed_refuses_mini_batch_chunk_size_and_the_vocabulary_reduction() -> None:
     run_checks = training_strategy(_deepspeed({"zero_optimization": {"stage": 2}}))
-    with pytest.raises(ValueError, match="mini_batch_chunk_size cannot be used with strategy='deepspeed'"):
-        run_checks.check_run(reduces_vocabulary=False, mini_batch_chunk_size=2)
+    for chunk_size in (2, "auto"):
+        with pytest.raises(ValueError, match="mini_batch_chunk_size cannot be used with strategy='deepspeed'"):
+            run_checks.check_run(reduces_vocabulary=False, mini_batch_chunk_size=chunk_size)
     with pytest.raises(ValueError, match="reduce_transformer_vocab=True"):
         run_checks.check_run(reduces_vocabulary=True, mini_batch_chunk_size=None)
     run_checks.check_run(reduces_vocabulary=False, mini_batch_chunk_size=None)

@@ -160,3 +160,30 @@ def test_the_callers_model_holds_the_trained_weights_on_every_rank(sharded_run: 
         assert state_dict_difference(handed_back, best) == 0.0, rank
     assert state_dict_difference(best, sharded_run["initial"]) > 1e-4
     assert state_dict_difference(sharded_run["model"].state_dict(), best) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_fsdp_trains_in_bf16_true_on_cpu(tmp_path: Path) -> None:
+    """strategy='fsdp' with precision='bf16-true' on 2 forked CPU ranks: accepted, trained, and the model file holds
+    the bfloat16 weights the run trained."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    initial = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    try:
+        FabricTrainer(model, corpus).train(
+            tmp_path,
+            max_epochs=1,
+            mini_batch_size=8,
+            learning_rate=0.5,
+            precision="bf16-true",
+            accelerator="cpu",
+            devices=2,
+            strategy=FlairFSDPStrategy(start_method="fork"),
+        )
+    except ValueError as refused:
+        if "does not support precision" not in str(refused):
+            raise
+        pytest.fail(f"strategy='fsdp' refused precision='bf16-true': {refused}")
+    weights = torch.load(tmp_path / "final-model.pt", map_location="cpu", weights_only=False)["state_dict"]
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}, "trained in bfloat16"
+    assert state_dict_difference(weights, initial) > 1e-3, "trained"

@@ -21,12 +21,12 @@ import flair_fabric
 from flair_fabric import FabricLanguageModelTrainer, FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
 from flair_fabric.launch import config as launch_module
 from flair_fabric.launch.arguments import LightningArguments
-from flair_fabric.launch.config import make_launch_config, resolve_devices
+from flair_fabric.launch.config import check_num_nodes, make_launch_config, resolve_devices, resolve_precision
 from flair_fabric.strategies import deepspeed as deepspeed_module
 from flair_fabric.training import progress_bar as progress_bar_module
 from flair_fabric.training.arguments import TrainingOptions, split_added_arguments
 
-from ..support import REPO, EventRecorder, small_trec, tiny_text_classifier
+from ..support import REPO, EventRecorder, no_training_may_start, small_trec, tiny_text_classifier
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +37,18 @@ def trainer() -> FabricTrainer:
 
 BAD_ARGUMENTS = [
     ({"strategy": "dpp"}, r"strategy='dpp' is not supported; choose one of auto, ddp"),
-    ({"strategy": object()}, r"strategy=.* is not supported"),
-    ({"precision": "17"}, r"precision='17' is not supported here: Precision '17' is invalid"),
+    ({"strategy": object()}, r"strategy=<object object at .*> is not supported; choose one of auto, ddp, ddp_spawn"),
+    ({"precision": "17"}, r"precision='17' is not supported here: Precision '17' is invalid. Allowed precision values"),
     ({"precision": "16"}, r"precision='16' needs a CUDA GPU; on cpu use precision='bf16-mixed'"),
     ({"precision": "16-mixed"}, r"precision='16-mixed' needs a CUDA GPU; on cpu use precision='bf16-mixed'"),
     ({"precision": "bf16-mixed", "use_amp": True}, r"use_amp=True and precision='bf16-mixed' were both given"),
     ({"devices": 0}, r"devices=0 is not valid: pass a positive number"),
-    ({"devices": -3}, r"devices=-3 is not valid"),
+    ({"devices": -3}, r"devices=-3 is not valid: pass a positive number of devices, -1 for all, or 'auto'"),
     ({"devices": [0, 1]}, r"devices=\[0, 1\] selects GPUs; on CPU devices is the number of processes"),
     ({"devices": -1}, r"devices=-1 selects GPUs"),
-    ({"devices": "two"}, r"devices='two' is not valid"),
+    ({"devices": "two"}, r"devices='two' is not valid: pass a positive int, -1, 'auto' or a list of indices"),
     ({"num_nodes": 0}, r"num_nodes=0 is not valid: pass the number of machines"),
-    ({"num_nodes": 1.5}, r"num_nodes=1.5 is not valid"),
+    ({"num_nodes": 1.5}, r"num_nodes=1.5 is not valid: pass the number of machines, a positive int"),
     ({"accelerator": "tpu"}, r"accelerator='tpu' is not supported; choose one of auto, cpu, cuda"),
     ({"accelerator": "cuda", "devices": 2}, r"asks for more cuda devices than this machine has \(0\)"),
     ({"multi_gpu": True}, r"multi_gpu=True is flair's own multi-GPU mode.*pass devices=N"),
@@ -60,26 +60,59 @@ BAD_ARGUMENTS = [
     ),
     ({"strategy": "deepspeed_stage_3"}, r"strategy='deepspeed_stage_3' is not supported; choose one of"),
     ({"collective_timeout": 0}, r"collective_timeout=0 is not valid: pass a positive number of seconds"),
-    ({"collective_timeout": "5m"}, r"collective_timeout='5m' is not valid"),
+    ({"collective_timeout": "5m"}, r"collective_timeout='5m' is not valid: pass a positive number of seconds"),
+    ({"collective_timeout": -1.5}, r"collective_timeout=-1.5 is not valid: pass a positive number of seconds"),
+    ({"collective_timeout": True}, r"collective_timeout=True is not valid"),
+    ({"collective_timeout": timedelta(seconds=-5)}, r"collective_timeout=datetime.timedelta\(days=-1, .* is not valid"),
     (
         {"collective_timeout": 30, "strategy": FlairDDPStrategy(), "devices": 2},
         r"collective_timeout=30 and a strategy object were both given: pass timeout= to the FlairDDPStrategy",
     ),
+    (
+        {"collective_timeout": 30, "strategy": FlairFSDPStrategy(), "devices": 2},
+        r"collective_timeout=30 and a strategy object were both given: pass timeout= to the FlairFSDPStrategy",
+    ),
     ({"balance_batches": "yes"}, r"balance_batches='yes' is not valid: pass True \(each step dealt by length\)"),
+    # the rest of the README's table
+    ({"progress_bar": "yes"}, r"progress_bar='yes' is not valid: pass True \(always\), False \(never\) or None"),
+    ({"checkpoint_every_n_epochs": -1}, r"checkpoint_every_n_epochs=-1 is not valid: pass a whole number of 0 or more"),
+    ({"checkpoint_every_n_steps": 0}, r"checkpoint_every_n_steps=0 is not valid: pass a whole number of 1 or more"),
+    (
+        {"checkpoint_every_n_minutes": 0},
+        r"checkpoint_every_n_minutes=0 is not valid: pass a positive number of minutes",
+    ),
+    ({"keep_checkpoints": 0}, r"keep_checkpoints=0 is not valid: pass a whole number of 1 or more"),
+    ({"requeue_signal": "SIGFOO"}, r"requeue_signal='SIGFOO' is not a signal: pass e.g. signal.SIGUSR1, 'SIGUSR1'"),
+    (
+        {"resume_from": str(REPO / "README.md")},
+        r"resume_from='.*README.md' is not a flair-fabric checkpoint .*: pass a 'checkpoints/step-...' folder",
+    ),
+    ({"val_check_interval": 0}, r"val_check_interval=0 is not valid: pass a number of optimizer steps \(an int >= 1\)"),
+    ({"mini_batch_chunk_size": 0}, r"mini_batch_chunk_size=0 is not valid: pass a positive number of data points"),
 ]
 
 
 @pytest.mark.parametrize(("arguments", "message"), BAD_ARGUMENTS)
 def test_bad_argument_is_refused_before_launch(
-    trainer: FabricTrainer, tmp_path: Path, arguments: dict[str, Any], message: str
+    trainer: FabricTrainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arguments: dict[str, Any], message: str
 ) -> None:
     if arguments.get("accelerator") == "cuda" and launch_module.available_device_count("cuda"):
         pytest.skip("this machine has CUDA devices")
+    no_training_may_start(monkeypatch)  # an argument that is not refused fails here, not in a run it starts
     arguments = {"accelerator": "cpu", **arguments}
     with pytest.raises(ValueError, match=message):
         trainer.train(tmp_path, max_epochs=1, **arguments)
     assert trainer.fabric is None, "no Fabric (and no process) may be started for bad input"
     assert not (tmp_path / "training.log").exists()
+
+
+@pytest.mark.parametrize("num_nodes", [0, -1, 1.5, True, "2"])
+def test_num_nodes_must_be_a_positive_int(num_nodes: Any) -> None:
+    """README: num_nodes takes an int >= 1; anything else is refused by name, with the fix (the check on its own: a
+    0 let through would fail later with another error, in a division by the number of machines)."""
+    with pytest.raises(ValueError, match=r"num_nodes=.* is not valid: pass the number of machines, a positive int"):
+        check_num_nodes(num_nodes)
+    assert check_num_nodes(3) == 3
 
 
 def test_more_gpus_than_the_machine_has(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,17 +133,39 @@ def test_devices_and_strategy_resolution_on_cpu() -> None:
         accelerator="cpu", devices="auto", num_nodes=1, strategy="auto", precision=None, use_amp=False
     )
     assert (single.devices, single.strategy, single.precision, single.world_size) == (1, "auto", "32-true", 1)
-    try:  # flair's use_amp on a CPU is bfloat16 autocast: Fabric's bf16-mixed (16-mixed needs CUDA and is refused)
-        two = make_launch_config(
-            accelerator="cpu", devices=2, num_nodes=1, strategy="auto", precision=None, use_amp=True
-        )
-    except ValueError as error:
-        pytest.fail(f"use_amp=True on a CPU is not mapped to bf16-mixed: {error}")
+    # flair's use_amp on a CPU is bfloat16 autocast: Fabric's bf16-mixed (16-mixed needs CUDA and is refused)
+    two = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="auto", precision=None, use_amp=True)
     assert isinstance(two.strategy, FlairDDPStrategy) and two.precision == "bf16-mixed" and two.world_size == 2
     custom = FlairDDPStrategy(find_unused_parameters=True)
     assert make_launch_config(
         accelerator="cpu", devices="2", num_nodes=2, strategy=custom, precision="32-true", use_amp=False
     ) == launch_module.LaunchConfig("cpu", 2, 2, custom, "32-true")
+
+
+class _FabricThatResolves:
+    """Stands in for Fabric's connector where the machine has no CUDA or MPS device: the precision it is given is
+    the one it resolves to."""
+
+    def __init__(self, accelerator: str, devices: int, precision: str, plugins: list) -> None:
+        self.strategy = types.SimpleNamespace(precision=types.SimpleNamespace(precision=precision))
+
+
+def test_use_amp_means_16_mixed_on_cuda_and_bf16_mixed_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: flair's use_amp=True means "16-mixed" on CUDA (flair's own fp16 autocast), "bf16-mixed" elsewhere."""
+    monkeypatch.setattr(launch_module, "Fabric", _FabricThatResolves)
+
+    def mapped(accelerator: str) -> str:
+        try:
+            return resolve_precision(None, True, accelerator)
+        except ValueError as refused:  # mapped to a precision the accelerator cannot run
+            return f"refused: {refused}"
+
+    assert {accelerator: mapped(accelerator) for accelerator in ("cuda", "mps", "cpu")} == {
+        "cuda": "16-mixed",
+        "mps": "bf16-mixed",
+        "cpu": "bf16-mixed",
+    }
+    assert resolve_precision(None, False, "cuda") == "32-true", "without use_amp: Fabric's default"
 
 
 def test_ddp_strategy_options_are_checked() -> None:
@@ -238,6 +293,7 @@ def test_fabrics_precision_aliases_are_accepted(precision: Any, resolved: str) -
         ("ddp_fork", 42, timedelta(seconds=42)),
         ("fsdp", timedelta(seconds=7), timedelta(seconds=7)),
         (FlairDDPStrategy(), None, timedelta(minutes=10)),
+        (FlairFSDPStrategy(), None, timedelta(minutes=10)),
         (FlairFSDPStrategy(timeout=timedelta(seconds=9)), None, timedelta(seconds=9)),
     ],
 )

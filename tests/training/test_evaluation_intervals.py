@@ -21,6 +21,7 @@ from flair.training_utils import AnnealOnPlateau
 from lightning.fabric.loggers import Logger
 from torch.multiprocessing.spawn import ProcessExitedException
 
+import flair_fabric.trainer as trainer_module
 from flair_fabric import FabricTrainer, FlairFSDPStrategy, LightningLoggerPlugin
 
 from ..plugin_support import KillAtStep
@@ -46,6 +47,10 @@ def _rows(folder: Path) -> list[dict[str, str]]:
     return [{t: v for t, v in zip(lines[0], row, strict=True) if t != "TIMESTAMP"} for row in lines[1:]]
 
 
+def _header(folder: Path) -> list[str]:
+    return (folder / "loss.tsv").read_text().splitlines()[0].split("\t")
+
+
 class _Snapshots(TrainerPlugin):
     """The weights after every step, the learning rate of every step and the scores each evaluation reported."""
 
@@ -53,7 +58,8 @@ class _Snapshots(TrainerPlugin):
         super().__init__()
         self.best_model = best_model
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
-        self.learning_rates: dict[int, float] = {}
+        self.learning_rates: dict[int, float] = {}  # the one each step trained with
+        self.learning_rates_after_epoch: dict[int, float] = {}  # after the epoch's last step
         self.evaluations: list[tuple[float, ...]] = []
         self.best_file_before: dict[int, dict[str, torch.Tensor]] = {}  # best-model.pt as a step found it
 
@@ -69,6 +75,10 @@ class _Snapshots(TrainerPlugin):
     def after_training_batch(self, batch_count: int, **kw: Any) -> None:
         self.weights[batch_count] = copy.deepcopy(self.model.state_dict())
         self.learning_rates[batch_count] = self.trainer.optimizer.param_groups[0]["lr"]
+
+    @TrainerPlugin.hook
+    def after_training_epoch(self, epoch: int, **kw: Any) -> None:
+        self.learning_rates_after_epoch[epoch] = self.trainer.optimizer.param_groups[0]["lr"]
 
     @TrainerPlugin.hook
     def after_evaluation(self, validation_scores: tuple, **kw: Any) -> None:
@@ -141,6 +151,19 @@ def test_one_process_evaluates_inside_epochs_what_flair_evaluates_for_the_weight
     flair_rows = _rows(tmp_path / "flair")
     assert [row["TRAIN_LOSS"] for row in rows[2::3]] == [row["TRAIN_LOSS"] for row in flair_rows]
     assert [row["DEV_F1"] for row in rows[2::3]] == [row["DEV_F1"] for row in flair_rows]
+    # loss.tsv: flair's columns with STEP after EPOCH; the epoch-end rows are flair's rows in every column but STEP and
+    # the learning rate, which is, in every row, the one after the row's step (the next step's), in flair's format
+    header, flair_header = (_header(tmp_path / run) for run in ("fabric", "flair"))
+    assert header == [flair_header[0], "STEP", *flair_header[1:]]
+    for row, flair_row in zip(rows[2::3], flair_rows, strict=True):
+        assert {t: v for t, v in row.items() if t not in ("STEP", "LEARNING_RATE")} == {
+            t: v for t, v in flair_row.items() if t != "LEARNING_RATE"
+        }
+    after_step = {step: snapshots.learning_rates[step + 1] for step in EVALUATED_STEPS if step % 6}
+    after_step |= {6 * epoch: rate for epoch, rate in snapshots.learning_rates_after_epoch.items()}
+    learning_rates = [f"{after_step[int(row['STEP'])]:.4f}" for row in rows]
+    assert [row["LEARNING_RATE"] for row in rows] == learning_rates
+    assert len(set(learning_rates)) > 3, "the schedule changes the learning rate between rows: nothing is proved else"
     # best-model.pt holds the weights of the first evaluation with the best score so far, inside epochs too
     for evaluated in EVALUATED_STEPS[:-1]:
         so_far = max((step for step in EVALUATED_STEPS if step <= evaluated), key=lambda step: (scores[step], -step))
@@ -157,9 +180,25 @@ def test_one_process_evaluates_inside_epochs_what_flair_evaluates_for_the_weight
     assert steps_of == {"dev/loss": EVALUATED_STEPS, "train/loss": EVALUATED_STEPS}
 
 
+def test_an_interval_that_does_not_divide_the_epoch_still_ends_every_epoch_with_one_evaluation(tmp_path: Path) -> None:
+    """48 questions in batches of 4: 12 steps per epoch; every 5 steps, and at the epoch's end (step 12) once."""
+    corpus = small_trec()
+    FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(
+        tmp_path,
+        val_check_interval=5,
+        accelerator="cpu",
+        devices=1,
+        **{**ONE_PROCESS, "mini_batch_size": 4, "max_epochs": 2},
+    )
+    rows = _rows(tmp_path)
+    assert [int(row["STEP"]) for row in rows] == [5, 10, 12, 17, 22, 24]
+    assert [int(row["EPOCH"]) for row in rows] == [1, 1, 1, 2, 2, 2]
+
+
 def test_annealing_patience_and_early_stopping_count_evaluations(tmp_path: Path) -> None:
     """flair's annealing (patience 1, factor 0.5) stepped at every evaluation, as flair's AnnealOnPlateau steps when
-    it is given the same scores; a learning rate below min_learning_rate stops training at that evaluation."""
+    it is given flair's evaluate of the weights of each evaluated step; a learning rate below min_learning_rate stops
+    training at that evaluation."""
     corpus = small_trec()
     snapshots = _Snapshots()
     learning_rate, factor = 0.5, 0.5
@@ -174,10 +213,17 @@ def test_annealing_patience_and_early_stopping_count_evaluations(tmp_path: Path)
         plugins=[snapshots],
         **{**ONE_PROCESS, "max_epochs": 6, "learning_rate": learning_rate},
     )
+    # what each evaluation handed to the annealing: flair's evaluate of the weights after that step (score, loss)
+    scored = tiny_text_classifier(corpus)
+    evaluated = [
+        _flair_evaluates(scored, snapshots.weights[2 * (n + 1)], corpus) for n in range(len(snapshots.evaluations))
+    ]
+    assert [scores[0] for scores in snapshots.evaluations] == [score for score, _ in evaluated]
+    assert [scores[1] for scores in snapshots.evaluations] == pytest.approx([loss for _, loss in evaluated], rel=1e-6)
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=learning_rate)
     annealing = AnnealOnPlateau(optimizer, mode="max", factor=factor, patience=1)
     expected_lr, reductions, stopped_after = {}, [], None
-    for evaluation, scores in enumerate(snapshots.evaluations):
+    for evaluation, scores in enumerate(evaluated):
         step = 2 * (evaluation + 1)
         if annealing.step(*scores):
             reductions.append(step)
@@ -203,12 +249,16 @@ def test_annealing_patience_and_early_stopping_count_evaluations(tmp_path: Path)
         (True, r"val_check_interval=True is not valid"),
         ("10", r"val_check_interval='10' is not valid"),
         (7, r"val_check_interval=7 steps is longer than an epoch \(6 optimizer steps .*pass at most 6"),
-        (0.1, r"val_check_interval=0.1 of an epoch of 6 optimizer step\(s\) is less than one step"),
+        (0.1, r"val_check_interval=0.1 of an epoch of 6 optimizer step\(s\) is less than one step: pass a fraction of"),
     ],
 )
 def test_bad_intervals_are_refused_before_any_process_starts(
-    tmp_path: Path, val_check_interval: Any, message: str
+    tmp_path: Path, val_check_interval: Any, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def started(*args: Any, **kwargs: Any) -> None:
+        pytest.fail("the processes were started: the interval should have been refused before")
+
+    monkeypatch.setattr(trainer_module, "run_job", started)
     corpus = small_trec()
     trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
     started = time.monotonic()
@@ -254,6 +304,41 @@ def test_two_ranks_evaluate_at_the_same_steps_as_one_process_on_the_union(tmp_pa
     best_two = TextClassifier.load(tmp_path / "two" / "best-model.pt").state_dict()
     assert state_dict_difference(best_one, best_two) < 1e-5
     assert state_dict_difference(one.state_dict(), two.state_dict()) < 1e-5
+    # docs/ddp-communication.md: 2 ranks end within 1e-5 of flair's own trainer on the union of their batches (the
+    # evaluations inside epochs change nothing in training); the final model files, written before the best is loaded
+    flairs = tiny_text_classifier(corpus)
+    ModelTrainer(flairs, corpus).train(tmp_path / "flair", **{**UNION, "mini_batch_size": 8})
+    final_flair = TextClassifier.load(tmp_path / "flair" / "final-model.pt").state_dict()
+    final_two = TextClassifier.load(tmp_path / "two" / "final-model.pt").state_dict()
+    assert state_dict_difference(final_two, final_flair) < 1e-5
+
+
+class _BestDecisions(TrainerPlugin):
+    """Appends ``<step> <whether it was the best so far>`` after every evaluation to a file (global rank 0): when
+    best-model.pt was written, in a killed run and its resumed continuation alike."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path, self.step = path, 0
+
+    @property
+    def attach_to_all_processes(self) -> bool:
+        return False
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        self.step = batch_count
+
+    @TrainerPlugin.hook
+    def after_evaluation(self, current_model_is_best: bool, **kw: Any) -> None:
+        with self.path.open("a") as stream:
+            stream.write(f"{self.step} {current_model_is_best}\n")
+
+
+def _best_decisions(folder: Path) -> dict[int, str]:
+    """Each evaluated step's best-model decision; a step evaluated again after a resume counts as decided then."""
+    lines = (folder.parent / f"{folder.name}-best.txt").read_text().split("\n")
+    return {int(step): best for step, best in (line.split() for line in lines if line)}
 
 
 def _resumable_run(folder: Path, strategy: str, kill_at: int | None = None, **options: Any) -> TextClassifier:
@@ -266,7 +351,7 @@ def _resumable_run(folder: Path, strategy: str, kill_at: int | None = None, **op
         accelerator="cpu",
         devices=2,
         strategy=chosen,
-        plugins=[KillAtStep(kill_at)],
+        plugins=[KillAtStep(kill_at), _BestDecisions(folder.parent / f"{folder.name}-best.txt")],
         mini_batch_chunk_size=2,  # a step in chunks is one step
         **{**ONE_PROCESS, "mini_batch_size": 4},
         **options,
@@ -289,6 +374,12 @@ def test_a_run_killed_mid_epoch_after_interval_evaluations_resumes_to_the_same_r
     assert [row["STEP"] for row in _rows(folder)] == ["2", "4", "6", "8", "10"]
     resumed = _resumable_run(folder, strategy, resume_from="auto", checkpoint_every_n_steps=every_n_steps)
     assert _rows(folder) == _rows(tmp_path / "uninterrupted")
+    # best-model.pt was written at the same evaluations: the resumed run knows the best score so far
+    decisions = _best_decisions(tmp_path / "uninterrupted")
+    assert _best_decisions(folder) == decisions
+    resumed_at = every_n_steps * (10 // every_n_steps)  # the newest checkpoint before the kill
+    first_after = min(step for step in decisions if step > resumed_at)
+    assert decisions[first_after] == "False", "the resumed run's first evaluation is not the best: a run that forgot"
     assert state_dict_difference(resumed.state_dict(), reference.state_dict()) <= 1e-6
     assert (folder / "best-model.pt").exists() and (tmp_path / "uninterrupted" / "best-model.pt").exists()
     best = TextClassifier.load(folder / "best-model.pt").state_dict()

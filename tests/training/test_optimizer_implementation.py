@@ -65,6 +65,9 @@ def test_other_optimizers_are_built_as_flair_builds_them() -> None:
 
     assert build_optimizer(OwnStep, _parameters(), {"lr": 0.1}).param_groups[0]["foreach"] is None
     assert "foreach" not in build_optimizer(SGDW, _parameters(), {"lr": 0.1}).param_groups[0]
+    # torch's other optimizers take foreach too; they are built as flair builds them (PyTorch's own default)
+    for other in (torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam):
+        assert build_optimizer(other, _parameters(), {"lr": 0.1}).param_groups[0]["foreach"] is None, other.__name__
 
 
 class _OptimizerSeen(TrainerPlugin):
@@ -77,10 +80,24 @@ class _OptimizerSeen(TrainerPlugin):
         self.foreach = [group.get("foreach") for group in self.trainer.optimizer.param_groups]
 
 
-def test_fabric_trainer_steps_grouped_by_default(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("method", "options", "groups"),
+    [
+        ("train", {}, 1),  # SGD
+        ("fine_tune", {}, 1),  # AdamW
+        ("train", {"optimizer": torch.optim.Adam}, 1),
+        ("train", {"decoder_learning_rate": 0.05}, 2),  # flair's two parameter groups
+    ],
+    ids=["train-sgd", "fine-tune-adamw", "train-adam", "decoder-learning-rate"],
+)
+def test_fabric_trainer_steps_grouped_by_default(
+    tmp_path: Path, method: str, options: dict[str, Any], groups: int
+) -> None:
+    """docs/ddp-communication.md: FabricTrainer builds Adam, AdamW and SGD with foreach=True unless the caller chose,
+    also with flair's separate decoder learning rate (every parameter group)."""
     corpus = small_trec()
     seen = _OptimizerSeen()
-    FabricTrainer(tiny_text_classifier(corpus), corpus).train(
-        tmp_path, max_epochs=1, mini_batch_size=16, accelerator="cpu", devices=1, plugins=[seen]
+    getattr(FabricTrainer(tiny_text_classifier(corpus), corpus), method)(
+        tmp_path, max_epochs=1, mini_batch_size=16, accelerator="cpu", devices=1, plugins=[seen], **options
     )
-    assert seen.foreach == [True]
+    assert seen.foreach == [True] * groups

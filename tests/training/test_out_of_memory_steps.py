@@ -13,6 +13,7 @@ import copy
 import logging
 import math
 import re
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -25,14 +26,17 @@ import torch.distributed
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
-from torch.multiprocessing.spawn import ProcessExitedException
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from flair_fabric import FabricTrainer, FlairDDPStrategy, FlairFSDPStrategy
+from flair_fabric.evaluation.batches import is_out_of_memory
 
 from ..plugin_support import KillAtStep
 from ..support import (
     make_tiny_bert,
+    no_training_may_start,
     out_of_step_is_a_hang,
+    recording_new_groups,
     small_trec,
     state_dict_difference,
     tiny_text_classifier,
@@ -54,6 +58,7 @@ class _FitsFewPoints(TextClassifier):
     most = 2
     ranks: tuple[int, ...] = (0,)
     in_backward = False
+    kind = "cuda"  # the error a pass that does not fit raises: CUDA's, or the CPU allocator's RuntimeError
     raises: Path | None = None  # one line per raise
     passes: Path | None = None  # one line per training pass: the rank and its number of data points
     _too_many = False
@@ -74,7 +79,10 @@ class _FitsFewPoints(TextClassifier):
         if self.raises is not None:
             with self.raises.open("a") as file:
                 file.write(f"{rank} {size}\n")
-        raise torch.OutOfMemoryError(f"CUDA out of memory (injected: {size} > {self.most} data points)")
+        injected = f"(injected: {size} > {self.most} data points)"
+        if self.kind == "cpu":
+            raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes {injected}")
+        raise torch.OutOfMemoryError(f"CUDA out of memory {injected}")
 
     def _in_backward(self, gradient: torch.Tensor) -> torch.Tensor:
         if self._too_many and self.in_backward:
@@ -83,12 +91,16 @@ class _FitsFewPoints(TextClassifier):
         return gradient
 
 
-def _limited(model: TextClassifier, folder: Path, most: int, ranks: tuple[int, ...], in_backward: bool) -> Path:
-    """Make ``model`` run out of memory above ``most`` data points per pass; the file its raises are written to."""
+def _limited(
+    model: TextClassifier, folder: Path, most: int, ranks: tuple[int, ...], in_backward: bool, kind: str = "cuda"
+) -> Path:
+    """Make ``model`` run out of memory (``kind``: CUDA's error or the CPU allocator's) above ``most`` data points per
+    pass; the file its raises are written to."""
     model.__class__ = _FitsFewPoints
     raises = folder / "out-of-memory-raises.txt"
     folder.mkdir(parents=True, exist_ok=True)
     _FitsFewPoints.most, _FitsFewPoints.ranks, _FitsFewPoints.in_backward = most, ranks, in_backward
+    _FitsFewPoints.kind = kind
     _FitsFewPoints.raises, _FitsFewPoints.passes = raises, None
     first_embedding_parameter = next(model.embeddings.parameters())
     first_embedding_parameter.register_hook(model._in_backward)  # type: ignore[attr-defined]
@@ -107,6 +119,21 @@ def _retried_together() -> Iterator[None]:
         if "out of memory (injected" in str(error) and "one data point alone" not in str(error):
             pytest.fail(f"a step that ran out of memory was not redone in chunks: {error}")
         raise
+
+
+def _recording_agreements(monkeypatch: pytest.MonkeyPatch, record: Path) -> None:
+    """Every all-reduce on a process group other than the default one (the out-of-memory agreement's gloo group)
+    first appends the global rank to ``record`` (in forked ranks too)."""
+    all_reduce = torch.distributed.all_reduce
+
+    def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group", args[1] if len(args) > 1 else None)
+        if group is not None and group is not torch.distributed.group.WORLD:
+            with record.open("a") as stream:
+                stream.write(f"{torch.distributed.get_rank()}\n")
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", recorded)
 
 
 def _rows(folder: Path) -> list[dict[str, str]]:
@@ -129,17 +156,31 @@ def _log(folder: Path) -> str:
     return (folder / "training.log").read_text()
 
 
-@pytest.mark.parametrize("in_backward", [False, True], ids=["forward", "backward"])
+def test_out_of_memory_errors_of_cuda_mps_and_the_cpu_allocator_are_told_from_other_errors() -> None:
+    """The errors a step is redone on: CUDA's ``torch.OutOfMemoryError``, MPS's and the CPU allocator's out-of-memory
+    ``RuntimeError`` (their messages as PyTorch raises them); not other runtime errors."""
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert is_out_of_memory(RuntimeError("MPS backend out of memory (MPS allocated: 1.00 GB, other allocations: 0)"))
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"))
+
+
+@pytest.mark.parametrize(
+    ("in_backward", "kind"),
+    [(False, "cuda"), (True, "cuda"), (False, "cpu")],
+    ids=["forward", "backward", "forward-cpu-allocator"],
+)
 def test_one_process_retried_steps_end_bit_equal_to_flairs_run_chunked_from_the_start(
-    tmp_path: Path, in_backward: bool
+    tmp_path: Path, in_backward: bool, kind: str
 ) -> None:
     """Batches of 8, at most 2 data points per pass: the first step of each epoch runs out of memory at 8 and at 4
-    points and is redone in chunks of 2, which hold for the rest of the epoch. flair's own trainer with
-    ``mini_batch_chunk_size=2`` from the start is the reference: weights, loss.tsv and model files bit-equal."""
+    points (CUDA's error, or the CPU allocator's) and is redone in chunks of 2, which hold for the rest of the epoch.
+    flair's own trainer with ``mini_batch_chunk_size=2`` from the start is the reference: weights, loss.tsv and model
+    files bit-equal."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.3)  # dropout: a retry must draw the masks the first try drew
     reference = copy.deepcopy(model)
-    raises = _limited(model, tmp_path / "auto", most=2, ranks=(0,), in_backward=in_backward)
+    raises = _limited(model, tmp_path / "auto", most=2, ranks=(0,), in_backward=in_backward, kind=kind)
     flair.set_seed(1)  # each run starts from the same generators (flair's loader draws the order from them)
     with _retried_together():
         FabricTrainer(model, corpus).train(
@@ -165,19 +206,31 @@ def test_one_process_retried_steps_end_bit_equal_to_flairs_run_chunked_from_the_
     )
 
 
+class _ErrorOfEveryRank(TrainerPlugin):
+    """On every rank: the error the run ends with, written to ``error-rank<r>.txt``."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    @TrainerPlugin.hook
+    def _training_exception(self, **kw: Any) -> None:
+        (self.folder / f"error-rank{self.trainer.global_rank}.txt").write_text(str(sys.exc_info()[1]))
+
+
 @pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
 def test_a_data_point_that_does_not_fit_alone_ends_the_run_on_every_rank_with_its_name(
     tmp_path: Path, devices: int
 ) -> None:
+    """Every rank stops with the error that names the epoch, the step and the failing rank; the failing rank's error
+    also names the data point."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus)
     failing = devices - 1
     _limited(model, tmp_path, most=0, ranks=(failing,), in_backward=False)
     expected = rf"epoch 1, step 1: one data point alone runs out of memory on rank\(s\) \[{failing}\]"
-    if devices == 1:
-        expected += r" \('.+'\)"  # the data point
-    # (a forked rank's error reaches the caller inside torch's ProcessRaisedException)
-    with _retried_together(), pytest.raises(RuntimeError if devices == 1 else Exception, match=expected):
+    # (a forked rank's error reaches the caller inside torch's ProcessRaisedException: either rank's)
+    with _retried_together(), pytest.raises(RuntimeError if devices == 1 else ProcessRaisedException, match=expected):
         FabricTrainer(model, corpus).train(
             tmp_path,
             mini_batch_size=4,
@@ -186,8 +239,12 @@ def test_a_data_point_that_does_not_fit_alone_ends_the_run_on_every_rank_with_it
             devices=devices,
             strategy="ddp_fork" if devices > 1 else "auto",
             collective_timeout=20,
+            plugins=[_ErrorOfEveryRank(tmp_path)],
             **OPTIONS,
         )
+    errors = [(tmp_path / f"error-rank{rank}.txt").read_text() for rank in range(devices)]
+    assert all(re.match(expected, error) for error in errors), errors
+    assert re.match(expected + r" \('.+'\)", errors[failing]), "the failing rank names the data point"
 
 
 # --- several processes ----------------------------------------------------------------------------------------------
@@ -218,15 +275,19 @@ def _auto_on_two_ranks(model: TextClassifier, corpus: Any, folder: Path, **optio
     ids=["rank-1-forward", "rank-1-backward-strided", "both-backward"],
 )
 def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
-    tmp_path: Path, ranks: tuple[int, ...], in_backward: bool, balance_batches: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: tuple[int, ...], in_backward: bool, balance_batches: bool
 ) -> None:
     """A pass of more than one data point runs out of memory on the given ranks: every rank redoes the step in
     chunks of 2, then of 1 (no rank waits in a collective, no rank steps alone or with a partial gradient), and the
-    run ends with the weights and loss.tsv of flair's own trainer on one process and the union of the batches."""
+    run ends with the weights and loss.tsv of flair's own trainer on one process and the union of the batches. The
+    ranks agree once per attempt of a step (one all-reduce on a gloo group of their own, bounded by the run's
+    collective timeout)."""
     corpus = small_trec()
     model = tiny_text_classifier(corpus, dropout=0.0)
     reference = copy.deepcopy(model)
     raises = _limited(model, tmp_path / "two", most=1, ranks=ranks, in_backward=in_backward)
+    recording_new_groups(monkeypatch, tmp_path / "groups.txt")
+    _recording_agreements(monkeypatch, tmp_path / "agreements.txt")
     flair.set_seed(1)
     every_rank = logging.FileHandler(tmp_path / "every-rank.log")  # forked ranks inherit it: what any rank logs
     logging.getLogger("flair").addHandler(every_rank)
@@ -254,6 +315,11 @@ def test_two_ranks_retry_together_and_end_like_one_process_on_the_union(
     assert all(set(told_ranks) <= set(ranks) for _, told_ranks, _ in retries)
     told = (tmp_path / "every-rank.log").read_text().count("the step is redone in chunks of")
     assert told == len(retries), "each retried step is logged once, by global rank 0"
+    groups = (tmp_path / "groups.txt").read_text().splitlines()
+    assert sorted(line for line in groups if line.endswith(" gloo 20.0")) == ["0 gloo 20.0", "1 gloo 20.0"], groups
+    attempts = UNION["max_epochs"] * len(corpus.train) // 8 + len(retries)  # every step once, and every retry
+    agreements = (tmp_path / "agreements.txt").read_text().split()
+    assert [agreements.count(str(rank)) for rank in (0, 1)] == [attempts, attempts], "one agreement per attempt"
 
 
 @pytest.mark.multiprocess
@@ -348,6 +414,10 @@ STALLED = timedelta(seconds=20)  # a run that was not refused and left a rank wa
     [
         ({"mini_batch_chunk_size": "half"}, r"mini_batch_chunk_size='half' is not valid: .*'auto'"),
         ({"mini_batch_chunk_size": 0}, r"mini_batch_chunk_size=0 is not valid: pass a positive number"),
+        ({"mini_batch_chunk_size": -1}, r"mini_batch_chunk_size=-1 is not valid: pass a positive number"),
+        ({"mini_batch_chunk_size": 2.5}, r"mini_batch_chunk_size=2.5 is not valid: pass a positive number"),
+        ({"mini_batch_chunk_size": True}, r"mini_batch_chunk_size=True is not valid: pass a positive number"),
+        ({"mini_batch_chunk_size": "AUTO"}, r"mini_batch_chunk_size='AUTO' is not valid: .*'auto'"),
         (
             {"mini_batch_chunk_size": "auto", "strategy": FlairFSDPStrategy(start_method="fork", timeout=STALLED)},
             r"mini_batch_chunk_size='auto' cannot be combined with strategy='fsdp'.*fixed mini_batch_chunk_size",
@@ -360,12 +430,13 @@ STALLED = timedelta(seconds=20)  # a run that was not refused and left a rank wa
             r"mini_batch_chunk_size='auto' sums the ranks' gradients itself.*gradient_compression",
         ),
     ],
-    ids=["a-word", "zero", "fsdp", "compression"],
+    ids=["a-word", "zero", "negative", "a-float", "a-bool", "auto-in-capitals", "fsdp", "compression"],
 )
 def test_what_cannot_chunk_on_out_of_memory_is_refused_before_launch(
-    tmp_path: Path, options: dict[str, Any], message: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], message: str
 ) -> None:
     corpus = small_trec()
+    no_training_may_start(monkeypatch)  # not refused: the test fails as the run starts, not later in it
     with pytest.raises(ValueError) as refused:
         FabricTrainer(tiny_text_classifier(corpus), corpus).train(
             tmp_path, accelerator="cpu", devices=2, max_epochs=1, **options

@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from flair.samplers import FlairSampler
@@ -148,12 +149,13 @@ def test_shuffled_order_is_shared_by_ranks_and_changes_per_epoch() -> None:
 
 
 class _ShuffledBlocks(FlairSampler):
-    """A flair sampler drawing from Python's and torch's global generators (flair's own samplers call
+    """A flair sampler drawing from Python's, numpy's and torch's global generators (flair's own samplers call
     ``Sampler.__init__(None)``, which this PyTorch rejects)."""
 
     def __iter__(self):
         blocks = [list(range(i, min(i + 3, self.num_samples))) for i in range(0, self.num_samples, 3)]
         random.shuffle(blocks)
+        blocks = [blocks[i] for i in np.random.permutation(len(blocks))]
         flip = bool(torch.randint(0, 2, (1,)).item())
         order = [i for block in blocks for i in (reversed(block) if flip else block)]
         return iter(order)
@@ -163,11 +165,17 @@ def test_flair_sampler_draws_the_same_order_on_every_rank_and_leaves_generators_
     sampler = _ShuffledBlocks()
     sampler.set_dataset(list(range(30)))
     random.seed(123)
+    np.random.seed(123)
     python_state = random.getstate()
+    numpy_state = np.random.get_state()
     torch_state = torch.get_rng_state()
     first = epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0)
     assert random.getstate() == python_state
+    after = np.random.get_state()
+    assert np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:], "numpy's generator moved"
     assert torch.equal(torch.get_rng_state(), torch_state)
     random.seed(999)  # another rank
+    np.random.seed(999)
+    torch.manual_seed(999)
     assert epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0) == first
     assert sorted(first) == list(range(30))

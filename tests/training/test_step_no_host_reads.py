@@ -30,6 +30,30 @@ _phase: list[str | None] = [None]  # per process: "backward" (forward to end of 
 _reads: Counter = Counter()  # per process: (phase, method, caller file:line) -> calls
 
 
+PACKAGE = str(Path(__file__).resolve().parents[2] / "flair_fabric")
+
+
+def _names_a_device(*args: Any, **kwargs: Any) -> bool:
+    """Whether a ``Tensor.to`` call moves the tensor to a device (``to("cpu")``, ``to(device, dtype)``,
+    ``to(device=...)``), rather than only casting it (``to(torch.float64)``)."""
+    return "device" in kwargs or any(isinstance(arg, (str, torch.device)) for arg in args)
+
+
+def _counting_moves(original: Callable) -> Callable:
+    """``Tensor.to``, counting the calls of flair-fabric's own code that move a tensor to the host: a blocking
+    device-to-host copy on a GPU (flair's models move their inputs to ``flair.device`` themselves)."""
+
+    def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_code.co_filename
+        moved = original(self, *args, **kwargs)
+        to_the_host = _names_a_device(*args, **kwargs) and moved.device.type == "cpu"
+        if _phase[0] is not None and caller.startswith(PACKAGE) and to_the_host:
+            _reads[(_phase[0], "to", f"{caller}:{sys._getframe(1).f_lineno}")] += 1
+        return moved
+
+    return counted
+
+
 def _counting(name: str, original: Callable) -> Callable:
     def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if _phase[0] is not None:
@@ -76,6 +100,7 @@ def test_step_reads_nothing_back_to_the_host_between_forward_and_the_end_of_back
     counting works in the ranks."""
     for name in READ_BACKS:
         monkeypatch.setattr(torch.Tensor, name, _counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.Tensor, "to", _counting_moves(torch.Tensor.to))
     corpus = small_trec(train_size=96)
     FabricTrainer(tiny_text_classifier(corpus), corpus).train(
         tmp_path,
