@@ -18,7 +18,7 @@ from flair.embeddings import TransformerWordEmbeddings
 from flair.models import SequenceTagger
 from flair.trainers import ModelTrainer
 
-from flair_fabric import FabricTrainer
+from flair_fabric import FabricTrainer, FlairFSDPStrategy, evaluate, predict
 from flair_fabric.datasets import WNUT16_FILE, WNUT16_LABEL_TYPE
 from flair_fabric.launch import transport
 from flair_fabric.launch.config import make_launch_config
@@ -113,12 +113,19 @@ def _write_linked_view(fabric: Any, argument: tuple[ColumnCorpus, Path]) -> None
     (out / f"view-rank{fabric.global_rank}.json").write_text(json.dumps(linked_view(corpus)), encoding="utf-8")
 
 
+def _fsdp_spawn() -> FlairFSDPStrategy:
+    return FlairFSDPStrategy(start_method="spawn")
+
+
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp_spawn", _fsdp_spawn], ids=["ddp_spawn", "fsdp-spawn"])
 def test_spawned_workers_receive_a_linked_corpus_of_20000_sentences_whole(
-    linked_corpus: tuple[ColumnCorpus, list[list[Any]]], tmp_path: Path
+    linked_corpus: tuple[ColumnCorpus, list[list[Any]]], tmp_path: Path, strategy: Any
 ) -> None:
+    """Both spawn starts (DDP's and FSDP's) hand the corpus to their workers through the transport."""
     corpus, view = linked_corpus
-    config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_spawn", precision=None)
+    strategy = strategy if isinstance(strategy, str) else strategy()
+    config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, precision=None)
     run_on_ranks(config, _write_linked_view, (corpus, tmp_path))
     expected = json.loads(json.dumps(view))  # tuples as JSON gives them back
     for rank in (0, 1):
@@ -160,3 +167,39 @@ def test_use_context_trains_under_spawn_as_flair_trains_on_the_union(tmp_path: P
     without_context.embeddings.context_length = 0
     ModelTrainer(without_context, corpus).train(tmp_path / "no-context", mini_batch_size=32, **settings)
     assert state_dict_difference(without_context.state_dict(), reference.state_dict()) > 1e-3, "context mattered"
+
+
+def _tagged(sentences: list[Sentence]) -> list[list[tuple[str, str]]]:
+    """The predicted labels of each sentence: what they label (a span or a token) and their value."""
+    return [
+        [(label.data_point.unlabeled_identifier, label.value) for label in sentence.get_labels("predicted")]
+        for sentence in sentences
+    ]
+
+
+@pytest.mark.multiprocess
+def test_evaluate_and_predict_under_spawn_read_a_linked_split_with_its_context(tmp_path: Path) -> None:
+    """``evaluate`` and ``predict`` with spawned workers on 600 linked sentences (more than plain pickling could send):
+    flair's own ``evaluate`` and ``predict`` in this process, with the same context, are the reference. The tagger
+    is untrained, so its tags follow every token it reads: without the links the workers would read no context."""
+    corpus = linked_column_corpus(tmp_path / "corpus", 600)
+    bert = make_tiny_bert(tmp_path / "bert", corpus, max_positions=128)
+    model = _context_tagger(corpus, bert)
+    split = [corpus.train[index] for index in range(len(corpus.train))]
+    spawned = {"accelerator": "cpu", "devices": 2, "strategy": "ddp_spawn"}
+
+    reference = model.evaluate(corpus.train, WNUT16_LABEL_TYPE, mini_batch_size=32)
+    result = evaluate(model, corpus.train, WNUT16_LABEL_TYPE, mini_batch_size=32, **spawned)
+    assert result.detailed_results == reference.detailed_results
+    assert result.loss == pytest.approx(reference.loss, rel=1e-6)
+
+    model.predict(split, mini_batch_size=32, label_name="predicted")
+    expected = _tagged(split)
+    for sentence in split:
+        sentence.remove_labels("predicted")
+    predict(model, split, mini_batch_size=32, label_name="predicted", **spawned)
+    assert _tagged(split) == expected
+
+    model.embeddings.context_length = 0
+    model.predict(split, mini_batch_size=32, label_name="predicted")
+    assert _tagged(split) != expected, "the context changes the tags"
