@@ -27,7 +27,13 @@ FACADES = {
 """The entry points: signatures and argument binding, each handing one job to the runner."""
 
 LAYERS = [
-    ("flair_fabric.distributed", "flair_fabric.state", "flair_fabric.launch.arguments", "flair_fabric.datasets"),
+    (
+        "flair_fabric.distributed",
+        "flair_fabric.state",
+        "flair_fabric.launch.arguments",
+        "flair_fabric.datasets",
+        "flair_fabric.data",
+    ),
     ("flair_fabric.strategies",),
     ("flair_fabric.launch",),
     ("flair_fabric.evaluation", "flair_fabric.plugins"),

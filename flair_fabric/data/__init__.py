@@ -1,0 +1,18 @@
+"""Memory-mapped corpora: flair corpora stored once per machine as Arrow files and read on demand (docs/data.md)."""
+
+from flair_fabric.data.cache import default_cache_folder
+from flair_fabric.data.columns import FORMAT_VERSION
+from flair_fabric.data.corpus import MappedCorpus, map_corpus
+from flair_fabric.data.errors import MalformedLineError, SourceChangedError, UnsupportedDataPointError
+from flair_fabric.data.split import MappedSplit
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MalformedLineError",
+    "MappedCorpus",
+    "MappedSplit",
+    "SourceChangedError",
+    "UnsupportedDataPointError",
+    "default_cache_folder",
+    "map_corpus",
+]

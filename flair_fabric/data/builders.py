@@ -1,0 +1,146 @@
+"""Cache entries built from source files or from data points already in memory: the splits stored, the sources'
+sizes and times recorded, the result opened as :class:`~flair_fabric.data.split.MappedSplit`\\ s."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flair.data import DataPoint
+from torch.utils.data import Dataset
+
+from flair_fabric.data.cache import (
+    META,
+    Stat,
+    build_lock,
+    content_key,
+    default_cache_folder,
+    discard,
+    open_or_build,
+    read_meta,
+    stat_of,
+)
+from flair_fabric.data.columns import FORMAT_VERSION
+from flair_fabric.data.errors import SourceChangedError
+from flair_fabric.data.split import MappedSplit
+from flair_fabric.data.storage import write_split
+
+log = logging.getLogger("flair")
+
+SPLITS = ("train", "dev", "test")
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A cache entry opened: its splits (``None`` where the source has none), folder, and whether this call built
+    it."""
+
+    splits: dict[str, MappedSplit | None]
+    folder: Path
+    built: bool
+
+
+def _splits(folder: Path, meta: dict[str, Any], sources: dict[str, Stat]) -> dict[str, MappedSplit | None]:
+    stored = meta["splits"]
+    return {
+        name: MappedSplit(folder / stored[name]["file"], stored[name]["rows"], sources, meta.get("linked", False))
+        if name in stored
+        else None
+        for name in SPLITS
+    }
+
+
+def from_files(
+    files: dict[str, Path | None],
+    options: dict[str, Any],
+    read: Callable[[Path], Iterable[DataPoint]],
+    cache_folder: str | Path | None,
+    linked: bool = False,
+) -> Opened:
+    """The cache entry of the split files ``files`` read with ``read`` (``options``: everything that changes what it
+    reads), built if no entry of this content exists."""
+    root = Path(cache_folder) if cache_folder is not None else default_cache_folder()
+    root.mkdir(parents=True, exist_ok=True)
+    present = {name: Path(path) for name, path in files.items() if path is not None}
+    sources = {str(path.resolve()): stat_of(path) for path in present.values()}
+    key = content_key(list(present.values()), {**options, "splits": sorted(present)})
+
+    def build(folder: Path) -> dict[str, Any]:
+        stored = {}
+        for name, path in present.items():
+            kind, rows = write_split(folder / f"{name}.arrow", read(path))
+            stored[name] = {"file": f"{name}.arrow", "rows": rows, "kind": kind}
+        for source, expected in sources.items():  # read after hashing: refuse what changed in between
+            if stat_of(Path(source)) != expected:
+                raise SourceChangedError(source, "while its cache was built")
+        return {"splits": stored, "linked": linked, "sources": sources}
+
+    folder, meta, built = open_or_build(root, key, build)
+    return Opened(_splits(folder, meta, sources), folder, built)
+
+
+def _data_points(dataset: Dataset) -> Iterator[DataPoint]:
+    for index in range(len(dataset)):  # type: ignore[arg-type]
+        yield dataset[index]
+
+
+def _linked(dataset: Dataset) -> bool:
+    """Whether each sentence links to its neighbours in the split (flair's column reader links them)."""
+    size, previous = len(dataset), None  # type: ignore[arg-type]
+    for index in range(size):
+        point = dataset[index]
+        if getattr(point, "_previous_sentence", None) is not previous:
+            return False
+        previous = point
+    return size > 0 and getattr(previous, "_next_sentence", None) is None
+
+
+def from_datasets(datasets: dict[str, Dataset | None], cache_folder: str | Path | None) -> Opened:
+    """The cache entry of data points already in memory, keyed by the SHA-256 of the files they are stored in."""
+    root = Path(cache_folder) if cache_folder is not None else default_cache_folder()
+    root.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=".converting-", dir=root))
+    try:
+        digest, stored, linked = hashlib.sha256(FORMAT_VERSION.encode()), {}, {}
+        for name, dataset in datasets.items():
+            if dataset is None:
+                continue
+            kind, rows = write_split(temporary / f"{name}.arrow", _data_points(dataset))
+            stored[name] = {"file": f"{name}.arrow", "rows": rows, "kind": kind}
+            linked[name] = _linked(dataset)
+            digest.update(f"\0{name}\0".encode() + (temporary / f"{name}.arrow").read_bytes())
+        every_split_linked = bool(linked) and all(linked.values())
+        if not every_split_linked and _has_links(datasets):
+            log.warning("map_corpus: the sentences' neighbour links do not follow the splits' order; not kept")
+        meta = {"splits": stored, "linked": every_split_linked, "sources": {}}
+        key = "corpus-" + digest.hexdigest()
+        folder = root / key
+        with build_lock(root, key):
+            built = read_meta(folder) is None
+            if built:
+                if folder.exists():  # another format version: never read
+                    discard(folder)
+                meta = {"format_version": FORMAT_VERSION, **meta}
+                (temporary / META).write_text(json.dumps(meta, indent=1))
+                temporary.rename(folder)
+    finally:
+        if temporary.exists():
+            discard(temporary)
+    complete = read_meta(folder)
+    assert complete is not None
+    return Opened(_splits(folder, complete, {}), folder, built)
+
+
+def _has_links(datasets: dict[str, Dataset | None]) -> bool:
+    for dataset in datasets.values():
+        if dataset is not None and len(dataset) > 0:  # type: ignore[arg-type]
+            point = dataset[0]
+            if getattr(point, "_next_sentence", None) is not None:
+                return True
+    return False
