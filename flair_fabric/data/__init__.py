@@ -5,6 +5,7 @@ from flair_fabric.data.columns import FORMAT_VERSION
 from flair_fabric.data.corpus import MappedCorpus, map_corpus
 from flair_fabric.data.errors import MalformedLineError, SourceChangedError, UnsupportedDataPointError
 from flair_fabric.data.split import MappedSplit
+from flair_fabric.data.stored import StoredSplit, builds_anew, stored_lengths
 
 __all__ = [
     "FORMAT_VERSION",
@@ -12,7 +13,10 @@ __all__ = [
     "MappedCorpus",
     "MappedSplit",
     "SourceChangedError",
+    "StoredSplit",
     "UnsupportedDataPointError",
+    "builds_anew",
     "default_cache_folder",
     "map_corpus",
+    "stored_lengths",
 ]

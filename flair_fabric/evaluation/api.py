@@ -14,6 +14,7 @@ from flair.training_utils import Result
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset
 
+from flair_fabric.data.stored import builds_anew
 from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels, restore_labels
 from flair_fabric.evaluation.sharded import PREDICTED, evaluate_across_ranks, ready_for_inference
 from flair_fabric.launch.arguments import take_lightning_arguments, takes_lightning_arguments
@@ -46,7 +47,8 @@ class EvaluationJob(Job):
                 fabric, self.model, self.data, out_path=self.out_path, **self.evaluate_kwargs
             )
         predictions = None
-        if self.in_workers and fabric.is_global_zero:  # after flair's evaluate, rank 0 holds every prediction
+        # after flair's evaluate, rank 0 holds every prediction (a mapped split's data points hold none: new each read)
+        if self.in_workers and fabric.is_global_zero and not builds_anew(self.data):
             try:
                 predictions = [record_labels(self.data[i], PREDICTED) for i in range(_len_dataset(self.data))]
             except UnsupportedPrediction as error:

@@ -24,6 +24,7 @@ from flair.data import _len_dataset
 from flair.datasets import DataLoader
 from torch.utils.data import Dataset, Sampler
 
+from flair_fabric.data.stored import stored_lengths
 from flair_fabric.training.balancing import data_point_length, deal_steps_by_length
 
 
@@ -253,5 +254,8 @@ def shared_seed(fabric: Any) -> int:
 
 def data_point_lengths(train_data: Dataset) -> list[int]:
     """The length of every data point of ``train_data`` (:func:`~flair_fabric.training.balancing.data_point_length`),
-    read once per run."""
+    read once per run: from storage where the split stores them (nothing is built), else from each data point."""
+    stored = stored_lengths(train_data)
+    if stored is not None:
+        return stored
     return [data_point_length(train_data[index]) for index in range(_len_dataset(train_data))]

@@ -18,6 +18,7 @@ from flair.training_utils import log_line
 from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
+from flair_fabric.data.stored import builds_anew
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
 from flair_fabric.strategies import strategy_name
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
@@ -183,6 +184,8 @@ def clear_stored_embeddings(corpus: Corpus) -> None:
     (another precision, another model) would read them back and fail (``mat1 and mat2 must have the same dtype``);
     stored float32 embeddings would fail a ``"-true"`` run the same way."""
     for split in (corpus.train, corpus.dev, corpus.test):  # by index: a DataLoader would draw a random seed
+        if builds_anew(split):  # (a mapped split's data points are new at every read: nothing is stored on them)
+            continue
         for index in range(_len_dataset(split) if split is not None else 0):
             split[index].clear_embeddings()  # type: ignore[index]
 

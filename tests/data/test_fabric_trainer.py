@@ -1,0 +1,152 @@
+"""FabricTrainer on a memory-mapped corpus: 2 ranks train to the weights they reach on flair's corpus in memory, with
+each start method, shuffled and balanced by length; the lengths for balancing come from storage, not from built
+data points."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+import torch
+from flair.datasets import ColumnCorpus
+from torch.utils.data import ConcatDataset, Subset
+
+from flair_fabric import FabricTrainer
+from flair_fabric.data import MappedCorpus, MappedSplit, stored_lengths
+from flair_fabric.datasets import WNUT16_LABEL_TYPE
+from flair_fabric.launch import transport
+from flair_fabric.training.balancing import data_point_length
+from flair_fabric.training.sampling import data_point_lengths
+
+from ..support import run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
+
+SETTINGS: dict[str, Any] = {
+    "max_epochs": 2,
+    "mini_batch_size": 4,
+    "learning_rate": 0.1,
+    "shuffle": True,
+    "embeddings_storage_mode": "none",
+    "use_final_model_for_eval": True,
+    "create_file_logs": False,
+}
+
+
+@pytest.fixture
+def corpora(tmp_path: Path) -> tuple[ColumnCorpus, MappedCorpus]:
+    """WNUT-16 tweets in column files, read by flair's ColumnCorpus and mapped from the same files."""
+    in_memory = small_wnut(tmp_path / "wnut", train_size=64, dev_size=10, test_size=10)
+    mapped = MappedCorpus.from_column_files(
+        tmp_path / "wnut", {0: "text", 1: WNUT16_LABEL_TYPE}, cache_folder=tmp_path / "cache"
+    )
+    return in_memory, mapped
+
+
+def _trained(model: flair.nn.Model, corpus: flair.data.Corpus, folder: Path, **launch: Any) -> dict[str, torch.Tensor]:
+    flair.set_seed(11)  # the shuffling seed comes from rank 0's generator
+    FabricTrainer(model, corpus).train(folder, accelerator="cpu", devices=2, **launch, **SETTINGS)
+    return model.state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+def test_two_ranks_train_on_a_mapped_corpus_as_on_the_corpus_in_memory(
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, strategy: str
+) -> None:
+    in_memory, mapped = corpora
+    model = tiny_sequence_tagger(in_memory)
+    twin = copy.deepcopy(model)
+    reference = _trained(model, in_memory, tmp_path / "memory", strategy=strategy)
+    ours = _trained(twin, mapped, tmp_path / "mapped", strategy=strategy)
+    assert state_dict_difference(ours, reference) == 0.0
+    assert state_dict_difference(ours, tiny_sequence_tagger(in_memory).state_dict()) > 1e-3, "it trained"
+
+
+@pytest.mark.multiprocess
+def test_relaunched_ranks_open_one_cache_and_train_as_on_the_corpus_in_memory(
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path
+) -> None:
+    """The script relaunch: every rank opens the corpus from the column files through a new cache folder (one rank
+    builds the entry, the other waits and opens it)."""
+    in_memory, _ = corpora
+    reference = _trained(tiny_sequence_tagger(in_memory), in_memory, tmp_path / "memory", strategy="ddp_fork")
+    out = tmp_path / "relaunched"
+    out.mkdir()
+    config = {"folder": str(tmp_path / "wnut"), "cache": str(tmp_path / "new-cache"), "out": str(out)}
+    (out / "config.json").write_text(json.dumps({**config, "settings": SETTINGS}), encoding="utf-8")
+    run_script("mapped_training.py", str(out / "config.json"))
+    built = sorted(json.loads(path.read_text(encoding="utf-8")) for path in out.glob("built-*.json"))
+    assert built == [False, True], "one rank built the cache entry, the other opened it"
+    weights = sorted(out.glob("weights-*.pt"))
+    assert len(weights) == 2
+    for path in weights:
+        assert state_dict_difference(torch.load(path, weights_only=True), reference) == 0.0, path.name
+
+
+def test_balancing_reads_the_stored_lengths_without_building_a_data_point(
+    corpora: tuple[ColumnCorpus, MappedCorpus], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    in_memory, mapped = corpora
+    expected = [data_point_length(in_memory.train[index]) for index in range(len(in_memory.train))]
+
+    def no_building(self: MappedSplit, index: int) -> None:
+        raise AssertionError(f"data point {index} was built")
+
+    monkeypatch.setattr(MappedSplit, "__getitem__", no_building)
+    assert data_point_lengths(mapped.train) == expected
+
+
+def test_subsets_and_concatenations_of_mapped_splits_answer_their_stored_lengths(
+    corpora: tuple[ColumnCorpus, MappedCorpus],
+) -> None:
+    in_memory, mapped = corpora
+    lengths = [data_point_length(in_memory.train[index]) for index in range(len(in_memory.train))]
+    dev_lengths = [data_point_length(in_memory.dev[index]) for index in range(len(in_memory.dev))]
+    assert stored_lengths(Subset(mapped.train, [5, 3, 5])) == [lengths[5], lengths[3], lengths[5]]
+    assert stored_lengths(ConcatDataset([mapped.train, mapped.dev])) == lengths + dev_lengths
+    assert stored_lengths(ConcatDataset([mapped.train, in_memory.dev])) is None, "flair's split stores none"
+
+
+def test_a_spawned_worker_receives_a_split_as_its_path_not_its_data(
+    corpora: tuple[ColumnCorpus, MappedCorpus],
+) -> None:
+    in_memory, mapped = corpora
+    payload = transport.dumps(mapped.train)
+    assert len(payload) < len(transport.dumps(in_memory.train)) / 10
+    crossed = transport.loads(payload)
+    assert [crossed[i].to_tagged_string() for i in range(len(crossed))] == [
+        in_memory.train[i].to_tagged_string() for i in range(len(in_memory.train))
+    ]
+
+
+def test_no_embedding_stays_on_a_mapped_data_point_after_an_evaluation(
+    corpora: tuple[ColumnCorpus, MappedCorpus],
+) -> None:
+    """flair's default storage mode keeps an evaluation's embeddings on in-memory sentences; a mapped data point is
+    built anew at every read."""
+    in_memory, mapped = corpora
+    model = tiny_sequence_tagger(in_memory)
+    model.evaluate(in_memory.dev, WNUT16_LABEL_TYPE, embedding_storage_mode="cpu")
+    assert in_memory.dev[0][0].get_embedding().numel() > 0, "flair keeps them in memory (the reference)"
+    model.evaluate(mapped.dev, WNUT16_LABEL_TYPE, embedding_storage_mode="cpu")
+    assert mapped.dev[0][0].get_embedding().numel() == 0
+
+
+@pytest.mark.multiprocess
+def test_a_mid_epoch_checkpoint_of_a_mapped_run_resumes_to_the_uninterrupted_weights(
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path
+) -> None:
+    """2 ranks, 8 steps an epoch, a checkpoint every 3 steps: the run resumed (in another base_path) from the one of
+    step 12, in the middle of epoch 2, ends with the uninterrupted run's weights."""
+    in_memory, mapped = corpora
+    model = tiny_sequence_tagger(in_memory)
+    resumed = copy.deepcopy(model)
+    checkpoints = {"checkpoint_every_n_steps": 3, "keep_checkpoints": 10}
+    uninterrupted = _trained(model, mapped, tmp_path / "whole", strategy="ddp_fork", **checkpoints)
+    middle = tmp_path / "whole" / "checkpoints" / "step-000000012"
+    assert middle.is_dir(), sorted(path.name for path in middle.parent.iterdir())
+    ours = _trained(resumed, mapped, tmp_path / "resumed", strategy="ddp_fork", resume_from=str(middle), **checkpoints)
+    assert state_dict_difference(ours, uninterrupted) == 0.0
