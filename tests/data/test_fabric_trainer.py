@@ -52,17 +52,35 @@ def _trained(model: flair.nn.Model, corpus: flair.data.Corpus, folder: Path, **l
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_spawn"])
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [
+        ("ddp_fork", {}),
+        ("ddp_spawn", {}),
+        ("ddp_fork", {"val_check_interval": 3}),
+        ("ddp_fork", {"mini_batch_chunk_size": 2}),
+        ("ddp_fork", {"mini_batch_chunk_size": "auto"}),
+    ],
+    ids=["fork", "spawn", "val_check_interval", "chunks", "auto-chunks"],
+)
 def test_two_ranks_train_on_a_mapped_corpus_as_on_the_corpus_in_memory(
-    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, strategy: str
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, strategy: str, options: dict[str, Any]
 ) -> None:
     in_memory, mapped = corpora
     model = tiny_sequence_tagger(in_memory)
     twin = copy.deepcopy(model)
-    reference = _trained(model, in_memory, tmp_path / "memory", strategy=strategy)
-    ours = _trained(twin, mapped, tmp_path / "mapped", strategy=strategy)
+    reference = _trained(model, in_memory, tmp_path / "memory", strategy=strategy, **options)
+    ours = _trained(twin, mapped, tmp_path / "mapped", strategy=strategy, **options)
     assert state_dict_difference(ours, reference) == 0.0
+    assert _without_timestamps(tmp_path / "mapped") == _without_timestamps(tmp_path / "memory")
     assert state_dict_difference(ours, tiny_sequence_tagger(in_memory).state_dict()) > 1e-3, "it trained"
+
+
+def _without_timestamps(run: Path) -> list[list[str]]:
+    """The rows of a run's loss.tsv, without the TIMESTAMP column."""
+    rows = [line.split("\t") for line in (run / "loss.tsv").read_text().splitlines()]
+    column = rows[0].index("TIMESTAMP")
+    return [row[:column] + row[column + 1 :] for row in rows]
 
 
 @pytest.mark.multiprocess
