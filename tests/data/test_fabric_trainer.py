@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from flair_fabric.training.sampling import data_point_lengths
 
 from ..support import run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
 
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SETTINGS: dict[str, Any] = {
     "max_epochs": 2,
     "mini_batch_size": 4,
@@ -84,18 +86,21 @@ def _without_timestamps(run: Path) -> list[list[str]]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "launcher", [None, [TORCHRUN, "--standalone", "--nproc_per_node=2"]], ids=["relaunch", "torchrun"]
+)
 def test_relaunched_ranks_open_one_cache_and_train_as_on_the_corpus_in_memory(
-    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, launcher: list[str] | None
 ) -> None:
-    """The script relaunch: every rank opens the corpus from the column files through a new cache folder (one rank
-    builds the entry, the other waits and opens it)."""
+    """The script relaunch and torchrun: every rank opens the corpus from the column files through a new cache folder
+    (one rank builds the entry, the other waits and opens it)."""
     in_memory, _ = corpora
     reference = _trained(tiny_sequence_tagger(in_memory), in_memory, tmp_path / "memory", strategy="ddp_fork")
     out = tmp_path / "relaunched"
     out.mkdir()
     config = {"folder": str(tmp_path / "wnut"), "cache": str(tmp_path / "new-cache"), "out": str(out)}
     (out / "config.json").write_text(json.dumps({**config, "settings": SETTINGS}), encoding="utf-8")
-    run_script("mapped_training.py", str(out / "config.json"))
+    run_script("mapped_training.py", str(out / "config.json"), launcher=launcher)
     built = sorted(json.loads(path.read_text(encoding="utf-8")) for path in out.glob("built-*.json"))
     assert built == [False, True], "one rank built the cache entry, the other opened it"
     weights = sorted(out.glob("weights-*.pt"))
