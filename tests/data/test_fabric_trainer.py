@@ -23,7 +23,8 @@ from flair_fabric.launch import transport
 from flair_fabric.training.balancing import data_point_length
 from flair_fabric.training.sampling import data_point_lengths
 
-from ..support import run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
+from ..launch.test_launching import _run_together_on_a_free_port, _script_env
+from ..support import SCRIPTS, run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SETTINGS: dict[str, Any] = {
@@ -87,26 +88,46 @@ def _without_timestamps(run: Path) -> list[list[str]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "launcher", [None, [TORCHRUN, "--standalone", "--nproc_per_node=2"]], ids=["relaunch", "torchrun"]
+    "launcher",
+    [None, [TORCHRUN, "--standalone", "--nproc_per_node=2"], "slurm"],
+    ids=["relaunch", "torchrun", "slurm"],
 )
 def test_relaunched_ranks_open_one_cache_and_train_as_on_the_corpus_in_memory(
-    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, launcher: list[str] | None
+    corpora: tuple[ColumnCorpus, MappedCorpus], tmp_path: Path, launcher: list[str] | str | None
 ) -> None:
-    """The script relaunch and torchrun: every rank opens the corpus from the column files through a new cache folder
-    (one rank builds the entry, the other waits and opens it)."""
+    """The script relaunch, torchrun and two SLURM tasks: every rank opens the corpus from the column files through a
+    new cache folder (one rank builds the entry, the other waits and opens it)."""
     in_memory, _ = corpora
     reference = _trained(tiny_sequence_tagger(in_memory), in_memory, tmp_path / "memory", strategy="ddp_fork")
     out = tmp_path / "relaunched"
     out.mkdir()
     config = {"folder": str(tmp_path / "wnut"), "cache": str(tmp_path / "new-cache"), "out": str(out)}
     (out / "config.json").write_text(json.dumps({**config, "settings": SETTINGS}), encoding="utf-8")
-    run_script("mapped_training.py", str(out / "config.json"), launcher=launcher)
+    if launcher == "slurm":
+        _run_as_two_slurm_tasks(out / "config.json")
+    else:
+        run_script("mapped_training.py", str(out / "config.json"), launcher=launcher)
     built = sorted(json.loads(path.read_text(encoding="utf-8")) for path in out.glob("built-*.json"))
     assert built == [False, True], "one rank built the cache entry, the other opened it"
     weights = sorted(out.glob("weights-*.pt"))
     assert len(weights) == 2
     for path in weights:
         assert state_dict_difference(torch.load(path, weights_only=True), reference) == 0.0, path.name
+
+
+def _run_as_two_slurm_tasks(config: Path) -> None:
+    """The script as the two tasks of a one-node SLURM job (what srun starts), meeting on a free port."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
+    slurm |= {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "flair-fabric-test", "MASTER_ADDR": "127.0.0.1"}
+    _run_together_on_a_free_port(
+        lambda port: [
+            (
+                [sys.executable, str(SCRIPTS / "mapped_training.py"), str(config)],
+                _script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
+            )
+            for task in (0, 1)
+        ]
+    )
 
 
 def test_balancing_reads_the_stored_lengths_without_building_a_data_point(
