@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import flair
+import nbformat
 import pytest
 import torch
 from flair.datasets import ColumnCorpus
+from nbclient import NotebookClient
 from torch.utils.data import ConcatDataset, Subset
 
 from flair_fabric import FabricTrainer
@@ -24,7 +26,7 @@ from flair_fabric.training.balancing import data_point_length
 from flair_fabric.training.sampling import data_point_lengths
 
 from ..launch.test_launching import _run_together_on_a_free_port, _script_env
-from ..support import SCRIPTS, run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
+from ..support import REPO, SCRIPTS, run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SETTINGS: dict[str, Any] = {
@@ -194,3 +196,41 @@ def test_a_mid_epoch_checkpoint_of_a_mapped_run_resumes_to_the_uninterrupted_wei
     assert middle.is_dir(), sorted(path.name for path in middle.parent.iterdir())
     ours = _trained(resumed, mapped, tmp_path / "resumed", strategy="ddp_fork", resume_from=str(middle), **checkpoints)
     assert state_dict_difference(ours, uninterrupted) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_a_notebook_trains_on_a_mapped_corpus_as_on_the_corpus_in_memory(tmp_path: Path) -> None:
+    """A real Jupyter kernel (forked workers, ``ddp_notebook``): the mapped corpus and flair's ColumnCorpus of the same
+    files train the same model to the same weights."""
+    small_wnut(tmp_path / "wnut", train_size=64, dev_size=10, test_size=10)
+    source = f"""
+import copy, json, os, sys
+os.environ["HF_HUB_OFFLINE"] = "1"
+sys.path.insert(0, {str(REPO)!r})
+import flair, torch
+flair.device = torch.device("cpu")
+from flair.datasets import ColumnCorpus
+from flair_fabric import FabricTrainer
+from flair_fabric.data import MappedCorpus
+from tests.support import state_dict_difference, tiny_sequence_tagger
+columns = {{0: "text", 1: "ner"}}
+settings = json.loads({json.dumps(SETTINGS)!r})
+in_memory = ColumnCorpus({str(tmp_path / "wnut")!r}, columns)
+first = tiny_sequence_tagger(in_memory)
+second = copy.deepcopy(first)
+for corpus, model, folder in (
+    (in_memory, first, {str(tmp_path / "memory")!r}),
+    (MappedCorpus.from_column_files({str(tmp_path / "wnut")!r}, columns, cache_folder={str(tmp_path / "cache")!r}),
+     second, {str(tmp_path / "mapped")!r}),
+):
+    flair.set_seed(11)
+    FabricTrainer(model, corpus).train(folder, accelerator="cpu", devices=2, **settings)
+print("DIFFERENCE:", state_dict_difference(first.state_dict(), second.state_dict()))
+print("TRAINED:", state_dict_difference(first.state_dict(), tiny_sequence_tagger(in_memory).state_dict()))
+"""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    printed = "".join(output.get("text", "") for output in notebook.cells[0].outputs if output.get("name") == "stdout")
+    values = dict(line.split(": ", 1) for line in printed.splitlines() if line.startswith(("DIFFERENCE", "TRAINED")))
+    assert float(values["DIFFERENCE"]) == 0.0, printed[-2000:]
+    assert float(values["TRAINED"]) > 1e-3
