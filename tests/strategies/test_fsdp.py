@@ -88,8 +88,11 @@ def _summary(run_dir: Path, rank: int) -> dict:
 
 
 def _handed_back(run_dir: Path, rank: int) -> dict[str, torch.Tensor]:
-    """The weights the caller's model held after train() returned."""
-    return torch.load(run_dir / f"weights-rank{rank}.pt")["final"]
+    """The weights the caller's model held after train() returned: whole tensors, none left on the meta device."""
+    weights = torch.load(run_dir / f"weights-rank{rank}.pt")["final"]
+    on_meta = sorted(name for name, tensor in weights.items() if tensor.is_meta)
+    assert on_meta == [], f"after train() the caller's model on rank {rank} holds meta tensors: {on_meta}"
+    return weights
 
 
 def _assert_close(expected: list[float], actual: list[float], tolerance: float) -> None:

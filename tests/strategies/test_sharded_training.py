@@ -187,3 +187,30 @@ def test_fsdp_trains_in_bf16_true_on_cpu(tmp_path: Path) -> None:
     weights = torch.load(tmp_path / "final-model.pt", map_location="cpu", weights_only=False)["state_dict"]
     assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}, "trained in bfloat16"
     assert state_dict_difference(weights, initial) > 1e-3, "trained"
+
+
+@pytest.mark.multiprocess
+def test_fsdp_model_files_written_during_a_run_hold_plain_whole_tensors(tmp_path: Path) -> None:
+    """A run that never reads its own model files back (use_final_model_for_eval=True: no best-model.pt to load
+    before the test split): model_epoch_1.pt and final-model.pt still hold plain tensors of the whole model's shapes,
+    gathered to rank 0 (not the shards, not distributed tensors), equal to the weights the caller gets back."""
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    FabricTrainer(model, corpus).train(
+        tmp_path,
+        max_epochs=1,
+        mini_batch_size=8,
+        learning_rate=0.5,
+        save_model_each_k_epochs=1,
+        use_final_model_for_eval=True,
+        accelerator="cpu",
+        devices=2,
+        strategy=FlairFSDPStrategy(start_method="fork", policy={torch.nn.Linear}),
+    )
+    for name in ("model_epoch_1.pt", "final-model.pt"):
+        weights = torch.load(tmp_path / name, map_location="cpu", weights_only=False)["state_dict"]
+        kinds = {key: type(tensor).__name__ for key, tensor in weights.items() if type(tensor) is not torch.Tensor}
+        assert kinds == {}, f"{name} holds {kinds}, not plain tensors"
+        assert {key: tuple(tensor.shape) for key, tensor in weights.items()} == shapes, name
+        assert state_dict_difference(weights, model.state_dict()) == 0.0, name
