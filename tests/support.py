@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import typing
@@ -353,3 +354,39 @@ def run_on_ranks(config: Any, function: Any, argument: Any, result_types: tuple[
     """``function(fabric, argument)`` on every rank of the processes ``config`` (a LaunchConfig) describes; the
     caller's own rank's result, or rank 0's after workers."""
     return run_job(FunctionJob(function, argument, result_types), config)
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free at the moment of asking."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
+
+
+def run_together_on_a_free_port(commands_for: Any, attempts: int = 3) -> list[str]:
+    """Start the processes ``commands_for(port)`` at once and wait for all (each must exit 0); they agree on a port
+    chosen beforehand, and a port another program takes between the choice and the bind is tried again with a new
+    one (not a failure of the code under test)."""
+    for attempt in range(attempts):
+        processes = [
+            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for cmd, env in commands_for(free_port())
+        ]
+        outputs = [process.communicate(timeout=420)[0] for process in processes]
+        if all(process.returncode == 0 for process in processes):
+            return outputs
+        if attempt + 1 < attempts and any(taken in output for output in outputs for taken in _PORT_TAKEN):
+            continue
+        failed = next(process for process in processes if process.returncode)
+        expect_success(failed.returncode, " ".join(failed.args), outputs[processes.index(failed)])
+    raise RunCrashed(f"no free port in {attempts} attempts")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a script run by a test: offline, the repository importable, no inherited rank."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
+    env.pop("LOCAL_RANK", None)
+    return env

@@ -37,5 +37,12 @@ def stored_lengths(data: Dataset | None) -> list[int] | None:
 
 
 def builds_anew(data: Dataset | None) -> bool:
-    """Whether every data point of ``data`` is built anew on each read (so nothing written onto one stays)."""
-    return stored_lengths(data) is not None
+    """Whether every data point of ``data`` is built anew on each read (so nothing written onto one stays): read from
+    the structure of ``data``, without reading a length."""
+    if isinstance(data, StoredSplit):
+        return True
+    if isinstance(data, Subset):
+        return builds_anew(data.dataset)
+    if isinstance(data, ConcatDataset):
+        return all(builds_anew(part) for part in data.datasets)
+    return False

@@ -25,8 +25,16 @@ from flair_fabric.launch import transport
 from flair_fabric.training.balancing import data_point_length
 from flair_fabric.training.sampling import data_point_lengths
 
-from ..launch.test_launching import _run_together_on_a_free_port, _script_env
-from ..support import REPO, SCRIPTS, run_script, small_wnut, state_dict_difference, tiny_sequence_tagger
+from ..support import (
+    REPO,
+    SCRIPTS,
+    run_script,
+    run_together_on_a_free_port,
+    script_env,
+    small_wnut,
+    state_dict_difference,
+    tiny_sequence_tagger,
+)
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 SETTINGS: dict[str, Any] = {
@@ -121,11 +129,11 @@ def _run_as_two_slurm_tasks(config: Path) -> None:
     """The script as the two tasks of a one-node SLURM job (what srun starts), meeting on a free port."""
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_NODEID": "0"}
     slurm |= {"SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "flair-fabric-test", "MASTER_ADDR": "127.0.0.1"}
-    _run_together_on_a_free_port(
+    run_together_on_a_free_port(
         lambda port: [
             (
                 [sys.executable, str(SCRIPTS / "mapped_training.py"), str(config)],
-                _script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
+                script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(task), SLURM_LOCALID=str(task)),
             )
             for task in (0, 1)
         ]

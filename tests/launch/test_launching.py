@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -28,10 +27,11 @@ from ..support import (
     REPO,
     SCRIPTS,
     UNION,
-    RunCrashed,
     RunHung,
     expect_success,
     make_tiny_bert,
+    run_together_on_a_free_port,
+    script_env,
     small_trec,
     small_wnut,
     state_dict_difference,
@@ -43,39 +43,6 @@ from ..support import (
 from .test_rendezvous_and_hand_off import loopback_interfaces, non_loopback_address
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_PORT_TAKEN = ("Address already in use", "EADDRINUSE", "address already in use")
-
-
-def _run_together_on_a_free_port(commands_for: Any, attempts: int = 3) -> list[str]:
-    """:func:`_run_together` for processes that must agree on a port chosen beforehand: a port another program takes
-    between the choice and the bind is tried again with a new one (not a failure of the code under test)."""
-    for attempt in range(attempts):
-        processes = [
-            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for cmd, env in commands_for(_free_port())
-        ]
-        outputs = [process.communicate(timeout=420)[0] for process in processes]
-        if all(process.returncode == 0 for process in processes):
-            return outputs
-        if attempt + 1 < attempts and any(taken in output for output in outputs for taken in _PORT_TAKEN):
-            continue
-        failed = next(process for process in processes if process.returncode)
-        expect_success(failed.returncode, " ".join(failed.args), outputs[processes.index(failed)])
-    raise RunCrashed(f"no free port in {attempts} attempts")
-
-
-def _script_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
-    env.pop("LOCAL_RANK", None)
-    return env
 
 
 def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int = 420) -> list[str]:
@@ -236,7 +203,7 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
                     str(SCRIPTS / "ddp_runs.py"),
                     str(config),
                 ],
-                _script_env(),
+                script_env(),
             )
             for node in (0, 1)
         ]
@@ -249,7 +216,7 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
     torch.save({"state_dict": _CreatesAFile(marker)}, node1 / "best-model.pt")
     decoy = (node1 / "best-model.pt").read_bytes()
     try:
-        outputs = _run_together_on_a_free_port(commands_for)
+        outputs = run_together_on_a_free_port(commands_for)
     finally:
         assert not marker.exists(), "node 1 read a best-model.pt: only global rank 0 may read it"
 
@@ -309,11 +276,11 @@ def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
         "SLURM_JOB_NAME": "flair-fabric-test",
         "MASTER_ADDR": "127.0.0.1",
     }
-    _run_together_on_a_free_port(
+    run_together_on_a_free_port(
         lambda port: [
             (
                 [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)],
-                _script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+                script_env(**slurm, MASTER_PORT=str(port), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
             )
             for rank in (0, 1)
         ]
@@ -340,7 +307,7 @@ def test_one_node_torchrun_keeps_the_rendezvous_and_the_collectives_on_loopback(
     given an address of this machine other than loopback where it has one: its own store listens there (and on every
     interface), none of the ranks' sockets may."""
     address = non_loopback_address() or "127.0.0.1"
-    env = _script_env()
+    env = script_env()
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)
 
@@ -348,7 +315,7 @@ def test_one_node_torchrun_keeps_the_rendezvous_and_the_collectives_on_loopback(
         options = ["--nnodes=1", "--nproc_per_node=2", f"--master_addr={address}", f"--master_port={port}"]
         return [([TORCHRUN, *options, str(SCRIPTS / "launch_environment.py"), str(tmp_path)], env)]
 
-    _run_together_on_a_free_port(commands_for)
+    run_together_on_a_free_port(commands_for)
     seen = [json.loads((tmp_path / f"environment-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert all(rank["environment"]["TORCHELASTIC_RUN_ID"] for rank in seen), "both ranks were started by torchrun"
     store = f"127.0.0.1:{seen[0]['environment']['MASTER_PORT']}"
@@ -371,7 +338,7 @@ def test_two_runs_at_the_same_time_both_finish(tmp_path: Path) -> None:
         command = [sys.executable, str(SCRIPTS / "ddp_runs.py"), str(config)]
         processes.append(
             subprocess.Popen(
-                command, env=_script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                command, env=script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
     try:

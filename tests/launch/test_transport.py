@@ -29,9 +29,17 @@ LINKED = 20_000
 CONTEXT = 4  # tokens of context on each side, as use_context=4 reads them
 
 
-def linked_column_corpus(folder: Path, sentences: int) -> ColumnCorpus:
+LINKED_OPTIONS: dict[str, Any] = {
+    "column_delimiter": "\t",
+    "comment_symbol": "# ",
+    "document_separator_token": "-DOCSTART-",
+    "sample_missing_splits": False,
+}
+
+
+def write_linked_column_files(folder: Path, sentences: int) -> None:
     """WNUT-16 tweets repeated to ``sentences`` training sentences in documents of 50 (``-DOCSTART-`` lines between
-    them) with a comment line before each tweet, read by flair's own ColumnCorpus; dev and test: 40 tweets each."""
+    them) with a comment line before each tweet, as column files; dev and test: 40 tweets each."""
     tweets = [block.strip("\n") for block in WNUT16_FILE.read_text(encoding="utf-8").split("\n\n") if block.strip()]
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -46,14 +54,12 @@ def linked_column_corpus(folder: Path, sentences: int) -> ColumnCorpus:
     write("train.txt", sentences, 0)
     write("dev.txt", 40, 7)
     write("test.txt", 40, 99)
-    return ColumnCorpus(
-        folder,
-        {0: "text", 1: WNUT16_LABEL_TYPE},
-        column_delimiter="\t",
-        comment_symbol="# ",
-        document_separator_token="-DOCSTART-",
-        sample_missing_splits=False,
-    )
+
+
+def linked_column_corpus(folder: Path, sentences: int) -> ColumnCorpus:
+    """:func:`write_linked_column_files`, read by flair's own ColumnCorpus."""
+    write_linked_column_files(folder, sentences)
+    return ColumnCorpus(folder, {0: "text", 1: WNUT16_LABEL_TYPE}, **LINKED_OPTIONS)
 
 
 def _where(neighbour: Sentence | None, position: dict[int, int]) -> int:
