@@ -8,6 +8,7 @@ they may differ before training starts (DDP and FSDP start every rank from rank 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,7 +40,7 @@ def split_fingerprint(data: Dataset | None) -> str:
     if data is None:
         return "none"
     size = _len_dataset(data)
-    step = max(1, size // SAMPLED_DATA_POINTS)
+    step = max(1, math.ceil(size / SAMPLED_DATA_POINTS))  # at most SAMPLED_DATA_POINTS built, however big the split
     return f"{size}:{_crc(_data_point_text(data[index]) for index in range(0, size, step))}"
 
 
