@@ -43,7 +43,6 @@ from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.out_of_memory import ChunksOnOutOfMemory
 from flair_fabric.training.participation import Participation, stand_in_and_probe
 from flair_fabric.training.progress_bar import EpochProgressBar
-from flair_fabric.training.read_ahead import stop_reading
 from flair_fabric.training.sampling import (
     EpochBatches,
     data_point_lengths,
@@ -288,7 +287,6 @@ class TrainingRun:
                 self.checkpointing.after_step(agreed, epoch_loss, last=batch_no + 1 == plan.total)
         finally:
             bar.close()
-            stop_reading(plan.batches)
 
         self.position.at("the train loss all-reduce at the end of the epoch")
         train_loss = self.global_loss(epoch_loss)[0].mean

@@ -24,9 +24,8 @@ from flair.data import _len_dataset
 from flair.datasets import DataLoader
 from torch.utils.data import Dataset, Sampler
 
-from flair_fabric.data.stored import builds_anew, stored_lengths
+from flair_fabric.data.stored import stored_lengths
 from flair_fabric.training.balancing import data_point_length, deal_steps_by_length
-from flair_fabric.training.read_ahead import read_ahead
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -195,13 +194,13 @@ def epoch_batches(
         return rest.after(first_step)
     if world_size == 1:
         loader = DataLoader(train_data, batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
-        if first_step == 0 and not builds_anew(train_data):
+        if first_step == 0:
             return EpochBatches(loader, len(loader))
         # the same loader over the indices draws the epoch's order from the generators exactly as the data's would
         indices = DataLoader(
             range(_len_dataset(train_data)), batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler
         )
-        remaining = list(itertools.islice(indices, first_step, None)) if first_step else indices
+        remaining = list(itertools.islice(indices, first_step, None))
         return EpochBatches(_read(train_data, remaining), len(loader), first_step)
     order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
     return _cut(train_data, order, mini_batch_size, rank, world_size, lengths, chunk_size, skip=first_step)
@@ -234,15 +233,9 @@ def _cut(
 
 
 def _read(train_data: Dataset, index_batches: Iterable[list[int]]) -> Iterator[list]:
-    """The data points of each index batch, read only when the batch is trained; a split that builds its data points
-    when they are read builds the next batch while the current one trains (:mod:`~flair_fabric.training.read_ahead`)."""
-
-    def build(indices: list[int]) -> list:
-        return [train_data[index] for index in indices]
-
-    if builds_anew(train_data):
-        return read_ahead(build, index_batches)
-    return (build(indices) for indices in index_batches)
+    """The data points of each index batch, read only when the batch is trained."""
+    for indices in index_batches:
+        yield [train_data[index] for index in indices]
 
 
 def epoch_order_of_one_process(
