@@ -64,9 +64,9 @@ class CountingSplit(MappedSplit):
 
     built = 0
 
-    def __getitem__(self, index: int) -> Any:
+    def _built(self, record: dict[str, Any], row: int) -> Any:
         CountingSplit.built += 1
-        return super().__getitem__(index)
+        return super()._built(record, row)
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffled"])
