@@ -100,23 +100,10 @@ class MappedSplit(Dataset):
 
     def __getitem__(self, index: int) -> Sentence | DataPair:
         row = self._row(int(index))
-        return self._built(self._records([row])[0], row)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[Sentence | DataPair]:
-        """The data points ``indices`` from one read of the table (torch's ``DataLoader`` asks for a batch so)."""
-        rows = [self._row(int(index)) for index in indices]
-        return [self._built(record, row) for record, row in zip(self._records(rows), rows, strict=True)]
-
-    def _records(self, rows: list[int]) -> list[dict[str, Any]]:
         table = self.table
         if self.sources and time.monotonic() - self._checked_at > SOURCE_CHECK_INTERVAL:
             self.check_sources()
-        if len(rows) == 1:
-            return table.slice(rows[0], 1).to_pylist()
-        return table.take(pa.array(rows, type=pa.int64())).to_pylist()
-
-    def _built(self, record: dict[str, Any], row: int) -> Sentence | DataPair:
-        data_point = decode(record, self._kind)
+        data_point = decode(table.slice(row, 1).to_pylist()[0], self._kind)
         if self.linked and isinstance(data_point, Sentence):
             whole = self if self.indices is None else MappedSplit(self.path, self.size, self.sources, self.linked)
             data_point._has_context = True
