@@ -45,7 +45,7 @@ def no_relaunch_of_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One user script, five trainings on 2 ranks started by the script relaunch (one process start-up)."""
+    """One user script, six trainings on 2 ranks started by the script relaunch (one process start-up)."""
     out = tmp_path_factory.mktemp("ddp")
     runs = [
         {"name": "union", "method": "train_custom", "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2}},
@@ -53,6 +53,11 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "name": "strided",
             "method": "train_custom",
             "kwargs": {**UNION, "mini_batch_size": 4, "devices": 2, "balance_batches": False},
+        },
+        {
+            "name": "union_shuffled",
+            "method": "train_custom",
+            "kwargs": {**UNION, "shuffle": True, "mini_batch_size": 4, "devices": 2},
         },
         {
             "name": "union_chunked",

@@ -112,7 +112,7 @@ class LanguageModelRun:
         self.trainer, self.fabric, self.arguments = trainer, fabric, arguments
         self.model: LanguageModel = trainer.model
         self.position = position or Position()
-        self.progress = RunState(trainer.epoch, 0, trainer.loss, 0, fabric.world_size)
+        self.progress = RunState(trainer.epoch, 0, trainer.loss, fabric.world_size)
         self.lockstep = Lockstep(fabric, self.progress.flags)
         self.sequence_length = arguments.sequence_length
         self.split_started = time.time()

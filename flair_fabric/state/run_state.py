@@ -1,7 +1,7 @@
 """Where a run stands: the one record the training loop reads and writes, and that a checkpoint stores.
 
 Everything a resume needs and everything the loop decides from lives here (litgpt's ``state`` dict, typed): the
-progress (epochs, steps, the position in the epoch), the best score, the data-order seed, what is due at the epoch's
+progress (epochs, steps, the position in the epoch), the best score, what is due at the epoch's
 end, the ranks' pending agreement flags, when the last checkpoint was taken, and, after a resume, where the
 interrupted epoch continues. A checkpoint stores the record as JSON (:meth:`RunState.stored`); the fields that only
 make sense in the running process (the clock, the resume point read from a checkpoint, the generators, which each
@@ -61,8 +61,6 @@ class RunState:
     """Optimizer steps taken (flair's ``batch_count``)."""
     best_epoch_score: float
     """The best dev score so far (or the lowest train loss, without a dev split)."""
-    seed: int
-    """The data-order seed every rank shares (0 in one process, where flair's own loader shuffles)."""
     world_size: int
     """The number of processes of the run that wrote it."""
     model_fingerprint: dict[str, str] = field(default_factory=dict)
@@ -99,6 +97,12 @@ class RunState:
     def from_stored(cls, values: dict[str, Any]) -> RunState:
         """The record :meth:`stored` wrote."""
         values = dict(values)
+        if values.pop("seed", 0) and values.get("step_in_epoch") and values.get("world_size", 1) > 1:
+            raise ValueError(
+                "this checkpoint was written inside an epoch by an older flair-fabric whose ranks drew their own data"
+                " order; its epoch cannot be continued exactly: resume from a checkpoint written at an epoch's end"
+                " (checkpoint_every_n_epochs), or start the run again"
+            )
         values["epoch_end"] = EpochEnd(values.get("epoch_end", EpochEnd.NOTHING.value))
         values["flags"] = AgreementFlags(**values.get("flags", {}))
         return cls(**values)

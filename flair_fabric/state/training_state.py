@@ -8,7 +8,7 @@
   generators (now and at the start of the epoch, which decided the epoch's data order in one process) and its part
   of the epoch's train loss,
 - ``progress.json``: the run's :class:`~flair_fabric.state.run_state.RunState` (epochs, steps, the position in the
-  epoch, best score, data-order seed, world size, model fingerprint, what the epoch's end owes), read before any
+  epoch, best score, world size, model fingerprint, what the epoch's end owes), read before any
   process starts.
 
 A checkpoint is written into ``.step-<steps>.tmp/`` and renamed into place when it is complete on every rank; only

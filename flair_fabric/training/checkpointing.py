@@ -25,7 +25,7 @@ from flair_fabric.state.training_state import (
     save_training_state,
     set_rng_state,
 )
-from flair_fabric.training.sampling import epoch_order, epoch_order_of_one_process
+from flair_fabric.training.sampling import epoch_order_of_one_process
 
 if TYPE_CHECKING:
     from flair_fabric.distributed.lockstep import Agreed
@@ -124,7 +124,7 @@ class Checkpointing:
         saved, every_rank, _ = load_training_state(run.fabric, folder, plugin_schedulers(trainer.plugins))
         progress = run.progress
         progress.epoch, progress.batch_count = saved.epoch, saved.batch_count
-        progress.best_epoch_score, progress.seed = saved.best_epoch_score, saved.seed
+        progress.best_epoch_score = saved.best_epoch_score
         progress.step_in_epoch, progress.epoch_position = saved.step_in_epoch, saved.epoch_position
         progress.chunk_size = saved.chunk_size
         if run.fabric.is_global_zero:
@@ -169,13 +169,11 @@ class Checkpointing:
             set_rng_state(point.every_rank[self.run.fabric.global_rank]["rng"])
 
     def _epoch_order_as_written(self, point: ResumePoint, epoch: int) -> list[int]:
+        """The interrupted epoch's order, drawn again on every rank from the generators global rank 0 drew it from."""
         run, a = self.run, self.run.flair_arguments
         shuffle = run.shuffles(epoch)
-        if len(point.every_rank) > 1:
-            n = run.data.size
-            return epoch_order(n, shuffle=shuffle, sampler=run.data.sampler, seed=run.progress.seed, epoch=epoch - 1)
         now = rng_state()
-        set_rng_state(point.every_rank[0]["epoch_start_rng"])  # the one process's loader drew its order from them
+        set_rng_state(point.every_rank[0]["epoch_start_rng"])  # as one process's loader drew it (every start path)
         order = epoch_order_of_one_process(
             run.data.train, mini_batch_size=a.mini_batch_size, shuffle=shuffle, sampler=run.data.sampler
         )

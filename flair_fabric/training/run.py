@@ -47,7 +47,7 @@ from flair_fabric.training.sampling import (
     EpochBatches,
     data_point_lengths,
     epoch_batches,
-    shared_seed,
+    job_epoch_order,
     steps_per_epoch,
 )
 from flair_fabric.training.setup import (
@@ -78,7 +78,7 @@ class TrainingRun:
         self.base_path = arguments.flair.base_path
         self.strategy = training_strategy(fabric.strategy)
         self.position = position or Position()  # where this rank is, for the error a stalled collective raises
-        self.progress = RunState(arguments.start_epoch, 0, 0.0, 0, fabric.world_size)  # the one record of the run
+        self.progress = RunState(arguments.start_epoch, 0, 0.0, fabric.world_size)  # the one record of the run
         self.lockstep = Lockstep(fabric, self.progress.flags)  # where the ranks agree (no collective in one process)
         self.checkpointing = Checkpointing(self)
         self.dynamic_embeddings: list[str] | None = None
@@ -157,7 +157,6 @@ class TrainingRun:
         self.chunks_on_out_of_memory = ChunksOnOutOfMemory.if_asked(fabric, self.progress, self.module, self.arguments)
         self.steps_per_epoch = steps_per_epoch(self.data.size, a.mini_batch_size, fabric.world_size)
         self.evaluation_interval = steps_between_evaluations(self.arguments.val_check_interval, self.steps_per_epoch)
-        self.progress.seed = shared_seed(fabric) if fabric.world_size > 1 else 0
         self.progress.best_epoch_score = 0 if self.data.best_by_dev_score else float("inf")
 
         if self.progress.epoch >= a.max_epochs:
@@ -306,16 +305,22 @@ class TrainingRun:
         resumed = point if point is not None and point.step_in_epoch > 0 else None
         remaining = self.checkpointing.continue_epoch(resumed, epoch_loss, epoch) if resumed else None
         self.checkpointing.at_epoch_start()
+        shuffle = self.shuffles(epoch)
+        order = None
+        if fabric.world_size > 1 and remaining is None:
+            order = job_epoch_order(
+                fabric, self.data.train, mini_batch_size=a.mini_batch_size, shuffle=shuffle, sampler=self.data.sampler
+            )
         plan = epoch_batches(
             self.data.train,
             mini_batch_size=a.mini_batch_size,
-            shuffle=self.shuffles(epoch),
+            shuffle=shuffle,
             sampler=self.data.sampler,
             epoch=epoch,
-            seed=progress.seed,
             rank=fabric.global_rank,
             world_size=fabric.world_size,
             first_step=resumed.step_in_epoch if resumed else 0,
+            order=order,
             remaining_order=remaining,
             lengths=self.lengths,
             chunk_size=a.mini_batch_chunk_size,

@@ -5,21 +5,20 @@ reproduces :class:`flair.trainers.ModelTrainer`. With N processes every data poi
 across the ranks: PyTorch's ``DistributedSampler`` (and so Fabric's) pads the split with repeated data points until
 it divides by N, which would count those points twice in flair's summed loss. Here the ranks take strided shards of
 one global order instead, and a rank whose shard is one longer folds that point into its last batch, so every rank
-runs the same number of steps.
+runs the same number of steps. The global order is the one process's: global rank 0 draws it from its generators
+as flair's loader draws it and sends it to the others, so with shuffling on N ranks read, step by step, the data
+points one process reads with a batch N times theirs.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import random
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from flair.data import _len_dataset
 from flair.datasets import DataLoader
 from torch.utils.data import Dataset, Sampler
@@ -109,36 +108,6 @@ def steps_per_epoch(dataset_size: int, batch_size: int, world_size: int) -> int:
     return steps_for(dataset_size // world_size, batch_size)
 
 
-def epoch_order(dataset_size: int, *, shuffle: bool, sampler: Sampler | None, seed: int, epoch: int) -> list[int]:
-    """The global order of data point indices for ``epoch``, identical on every rank.
-
-    A flair sampler draws its random numbers inside a seeded scope, so all ranks see the same sequence whatever
-    state their own generators are in; the caller's generators are left untouched.
-    """
-    if sampler is not None:
-        with _seeded_random_generators(seed + epoch):
-            return [int(i) for i in sampler]
-    if shuffle:
-        generator = torch.Generator().manual_seed(seed + epoch)
-        return torch.randperm(dataset_size, generator=generator).tolist()
-    return list(range(dataset_size))
-
-
-@contextmanager
-def _seeded_random_generators(seed: int) -> Iterator[None]:
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.default_generator.manual_seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
 @dataclass
 class EpochBatches:
     """One rank's batches of one epoch, from ``first_step`` on (steps before it were trained before a resume and are
@@ -172,10 +141,10 @@ def epoch_batches(
     shuffle: bool,
     sampler: Sampler | None,
     epoch: int,
-    seed: int,
     rank: int,
     world_size: int,
     first_step: int = 0,
+    order: list[int] | None = None,
     remaining_order: list[int] | None = None,
     lengths: Sequence[int] | None = None,
     chunk_size: int | None = None,
@@ -185,7 +154,8 @@ def epoch_batches(
     In one process the batches are flair's own loader's (same shuffling, same random numbers drawn); from
     ``first_step`` on, the loader's index batches are skipped without reading the data. ``remaining_order``: the
     epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh
-    and numbered from ``first_step`` on, as in the epoch the interrupted run began.
+    and numbered from ``first_step`` on, as in the epoch the interrupted run began. ``order`` (several processes): the
+    job's order of the epoch (:func:`job_epoch_order`).
     ``lengths`` (several processes): each step's data points are dealt to the ranks by these lengths, in hands that
     need no more chunks of ``chunk_size`` than strided batches.
     """
@@ -202,7 +172,8 @@ def epoch_batches(
         )
         remaining = list(itertools.islice(indices, first_step, None))
         return EpochBatches(_read(train_data, remaining), len(loader), first_step)
-    order = epoch_order(_len_dataset(train_data), shuffle=shuffle, sampler=sampler, seed=seed, epoch=epoch - 1)
+    if order is None:
+        raise ValueError("several processes read the job's order of the epoch: pass order=job_epoch_order(...)")
     return _cut(train_data, order, mini_batch_size, rank, world_size, lengths, chunk_size, skip=first_step)
 
 
@@ -246,10 +217,22 @@ def epoch_order_of_one_process(
     return [index for batch in indices for index in batch]
 
 
-def shared_seed(fabric: Any) -> int:
-    """A shuffling seed drawn from rank 0's torch generator and broadcast, so all ranks shuffle alike."""
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if fabric.is_global_zero else 0
-    return int(fabric.broadcast(seed, src=0))
+def job_epoch_order(
+    fabric: Any, train_data: Dataset, *, mini_batch_size: int, shuffle: bool, sampler: Sampler | None
+) -> list[int]:
+    """The order of the epoch for every rank of the job: the order one process reads it in, drawn by global rank 0's
+    random number generators as flair's loader draws it (:func:`epoch_order_of_one_process`), and sent to every rank.
+    So N ranks read, step by step, the data points of one process whose batch is N times theirs; the other ranks'
+    generators draw nothing for it."""
+    if not shuffle and sampler is None:
+        return list(range(_len_dataset(train_data)))
+    drawn = None
+    if fabric.is_global_zero:
+        one_process = epoch_order_of_one_process(
+            train_data, mini_batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler
+        )
+        drawn = np.asarray(one_process, dtype=np.int64)
+    return [int(index) for index in fabric.broadcast(drawn, src=0)]
 
 
 def data_point_lengths(train_data: Dataset) -> list[int]:

@@ -346,7 +346,7 @@ def test_a_checkpoint_holds_the_gradient_scaler_and_a_resume_restores_it(tmp_pat
     )
     model = tiny_text_classifier(small_trec())
     module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    save_training_state(fabric, tmp_path, module, optimizer, {}, RunState(1, 6, 0.5, 0, 1, {}), {}, keep=1)
+    save_training_state(fabric, tmp_path, module, optimizer, {}, RunState(1, 6, 0.5, 1, {}), {}, keep=1)
 
     fabric, fresh = _fabric_with_scaler()
     assert fresh.get_scale() == 65536.0
@@ -355,3 +355,15 @@ def test_a_checkpoint_holds_the_gradient_scaler_and_a_resume_restores_it(tmp_pat
     load_training_state(fabric, complete_checkpoints(tmp_path)[0], {})
     assert fresh.get_scale() == 1024.0
     assert fresh.state_dict()["_growth_tracker"] == 17
+
+
+def test_an_older_checkpoint_written_inside_an_epoch_of_several_ranks_is_refused() -> None:
+    """Ranks of older versions drew their own data order from a stored seed; such an epoch cannot be continued in
+    the order of the job (drawn by rank 0 as one process draws it): refused, naming what to do. At an epoch's end,
+    or from one process (whose order was flair's loader's), it resumes."""
+    written = {"epoch": 1, "batch_count": 9, "best_epoch_score": 0.5, "world_size": 2, "seed": 1234}
+    with pytest.raises(ValueError, match="older flair-fabric whose ranks drew their own data order"):
+        RunState.from_stored({**written, "step_in_epoch": 3})
+    assert RunState.from_stored({**written, "step_in_epoch": 0}).batch_count == 9
+    assert RunState.from_stored({**written, "world_size": 1, "seed": 0, "step_in_epoch": 3}).step_in_epoch == 3
+    assert "seed" not in RunState.from_stored(written).stored()

@@ -446,7 +446,7 @@ def test_resume_auto_takes_the_complete_checkpoint_with_the_most_steps(tmp_path:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fabric = Fabric(accelerator="cpu", devices=1)
     for steps in (8, 4):
-        progress = RunState(0, steps, 0.5, 0, 1, {}, step_in_epoch=steps)
+        progress = RunState(0, steps, 0.5, 1, {}, step_in_epoch=steps)
         save_training_state(fabric, tmp_path, model, optimizer, {}, progress, {}, keep=5)
     (tmp_path / "checkpoints" / "step-000000012").mkdir()
     assert find_checkpoint("auto", tmp_path) == tmp_path / "checkpoints" / "step-000000008"
@@ -460,7 +460,7 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_a_crash_while_writi
     fabric = Fabric(accelerator="cpu", devices=1)
 
     def save(steps: int) -> None:
-        progress = RunState(0, steps, 0.5, 0, 1, {}, step_in_epoch=steps)
+        progress = RunState(0, steps, 0.5, 1, {}, step_in_epoch=steps)
         save_training_state(fabric, tmp_path, model, optimizer, {}, progress, {}, keep=2)
 
     save(2)

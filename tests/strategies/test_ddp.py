@@ -88,6 +88,24 @@ def test_two_ranks_equal_one_process_on_the_union_of_their_batches(
         assert logged == [(str(epoch), f"{loss:.4f}") for epoch, loss in enumerate(losses, start=1)], name
 
 
+def test_shuffled_two_ranks_equal_flairs_one_process_shuffling_with_the_double_batch(two_rank_runs: Path) -> None:
+    """docs/launching.md: with shuffling on, 2 ranks with batch 4 read, step by step, the batches flair's one process
+    draws with batch 8 from the same random state, and end at its weights (within 1e-6)."""
+    out = two_rank_runs / "flair-shuffled"
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    reference = ModelTrainer(model, corpus).train_custom(
+        out, **{**UNION, "shuffle": True}, mini_batch_size=8, plugins=[MetricHistoryPlugin()]
+    )
+    weights = _weights(two_rank_runs / "union_shuffled", 0)
+    assert state_dict_difference(weights["initial"], weights["final"]) > 1e-3, "the model must have trained"
+    assert state_dict_difference(weights["final"], model.state_dict()) <= 1e-6
+    losses = _summary(two_rank_runs / "union_shuffled", 0)["result"]["train_loss_history"]
+    assert losses == pytest.approx(reference["train_loss_history"], rel=1e-6)
+    in_order = _weights(two_rank_runs / "union", 0)["final"]
+    assert state_dict_difference(in_order, weights["final"]) > 1e-4, "shuffling changed the run"
+
+
 def test_balanced_steps_hold_the_strided_steps_data_and_pad_the_slowest_rank_less(two_rank_runs: Path) -> None:
     """balance_batches (the default) against strided shards: every step trains the same questions, the slowest
     rank's padded batch (questions x longest) is smaller, and the result is the same up to the order of additions."""

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from flair.datasets import DataLoader
 from flair.samplers import FlairSampler
 
+from flair_fabric.launch.config import make_launch_config
 from flair_fabric.training.balancing import deal_by_length
 from flair_fabric.training.participation import chunks_for_every_rank
-from flair_fabric.training.sampling import ShardedBatchSampler, epoch_order, steps_per_epoch
+from flair_fabric.training.sampling import ShardedBatchSampler, job_epoch_order, steps_per_epoch
+
+from ..support import run_on_ranks
 
 
 def _all_batches(order: list[int], world_size: int, batch_size: int) -> list[list[list[int]]]:
@@ -138,16 +145,6 @@ def test_dealing_by_length_gives_the_rank_with_the_long_sentences_fewer() -> Non
     assert [_padded(strided[r][0], lengths) for r in (0, 1)] == [320, 320]
 
 
-def test_shuffled_order_is_shared_by_ranks_and_changes_per_epoch() -> None:
-    torch.manual_seed(1)
-    first = epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=0)
-    torch.manual_seed(2)  # another rank's generator state must not matter
-    assert epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=0) == first
-    assert epoch_order(50, shuffle=True, sampler=None, seed=5, epoch=1) != first
-    assert sorted(first) == list(range(50))
-    assert epoch_order(5, shuffle=False, sampler=None, seed=5, epoch=3) == [0, 1, 2, 3, 4]
-
-
 class _ShuffledBlocks(FlairSampler):
     """A flair sampler drawing from Python's, numpy's and torch's global generators (flair's own samplers call
     ``Sampler.__init__(None)``, which this PyTorch rejects)."""
@@ -161,21 +158,46 @@ class _ShuffledBlocks(FlairSampler):
         return iter(order)
 
 
-def test_flair_sampler_draws_the_same_order_on_every_rank_and_leaves_generators_alone() -> None:
+def _orders_on_ranks(fabric: Any, out: str) -> None:
+    """Every rank: its generators seeded by its rank (rank 0 with the seeds of the test's reference), then the job's
+    order of a shuffled epoch and of a sampler's epoch, and whether its own generators moved."""
+    rank = fabric.global_rank
+    random.seed(RANK_ZERO_SEED + rank)
+    np.random.seed(RANK_ZERO_SEED + rank)
+    torch.manual_seed(RANK_ZERO_SEED + rank)
+    before = torch.get_rng_state()
+    shuffled = job_epoch_order(fabric, list(range(50)), mini_batch_size=4, shuffle=True, sampler=None)
+    unchanged = torch.equal(torch.get_rng_state(), before)
     sampler = _ShuffledBlocks()
     sampler.set_dataset(list(range(30)))
-    random.seed(123)
-    np.random.seed(123)
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    torch_state = torch.get_rng_state()
-    first = epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0)
-    assert random.getstate() == python_state
-    after = np.random.get_state()
-    assert np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:], "numpy's generator moved"
-    assert torch.equal(torch.get_rng_state(), torch_state)
-    random.seed(999)  # another rank
-    np.random.seed(999)
-    torch.manual_seed(999)
-    assert epoch_order(30, shuffle=False, sampler=sampler, seed=9, epoch=0) == first
-    assert sorted(first) == list(range(30))
+    blocks = job_epoch_order(fabric, list(range(30)), mini_batch_size=4, shuffle=False, sampler=sampler)
+    in_order = job_epoch_order(fabric, list(range(5)), mini_batch_size=4, shuffle=False, sampler=None)
+    record = {"shuffled": shuffled, "blocks": blocks, "in_order": in_order, "generator_unchanged": unchanged}
+    (Path(out) / f"orders-rank{rank}.json").write_text(json.dumps(record))
+
+
+RANK_ZERO_SEED = 123
+
+
+@pytest.mark.multiprocess
+def test_the_jobs_order_is_the_one_process_loaders_drawn_by_rank_zero(tmp_path: Path) -> None:
+    """2 ranks whose generators differ: both read the order flair's one-process loader draws from global rank 0's
+    generators (shuffled, and a flair sampler drawing from Python's, numpy's and torch's generators); rank 0's
+    generators move as that loader's would, the other rank's do not move."""
+    config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_fork", precision=None)
+    run_on_ranks(config, _orders_on_ranks, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"orders-rank{rank}.json").read_text()) for rank in (0, 1)]
+    random.seed(RANK_ZERO_SEED)
+    np.random.seed(RANK_ZERO_SEED)
+    torch.manual_seed(RANK_ZERO_SEED)
+    loader = DataLoader(list(range(50)), batch_size=16, shuffle=True)  # flair's, one process, any batch size
+    shuffled = [index for batch in loader for index in batch]
+    sampler = _ShuffledBlocks()
+    sampler.set_dataset(list(range(30)))
+    blocks = [index for batch in DataLoader(list(range(30)), batch_size=16, sampler=sampler) for index in batch]
+    for rank in ranks:
+        assert rank["shuffled"] == shuffled
+        assert rank["blocks"] == blocks
+        assert rank["in_order"] == [0, 1, 2, 3, 4]
+    assert sorted(shuffled) == list(range(50)) and shuffled != list(range(50))
+    assert [rank["generator_unchanged"] for rank in ranks] == [False, True]
