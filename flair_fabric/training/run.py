@@ -47,7 +47,6 @@ from flair_fabric.training.sampling import (
     EpochBatches,
     data_point_lengths,
     epoch_batches,
-    job_epoch_order,
     steps_per_epoch,
 )
 from flair_fabric.training.setup import (
@@ -305,22 +304,13 @@ class TrainingRun:
         resumed = point if point is not None and point.step_in_epoch > 0 else None
         remaining = self.checkpointing.continue_epoch(resumed, epoch_loss, epoch) if resumed else None
         self.checkpointing.at_epoch_start()
-        shuffle = self.shuffles(epoch)
-        order = None
-        if fabric.world_size > 1 and remaining is None:
-            order = job_epoch_order(
-                fabric, self.data.train, mini_batch_size=a.mini_batch_size, shuffle=shuffle, sampler=self.data.sampler
-            )
         plan = epoch_batches(
             self.data.train,
+            fabric,
             mini_batch_size=a.mini_batch_size,
-            shuffle=shuffle,
+            shuffle=self.shuffles(epoch),
             sampler=self.data.sampler,
-            epoch=epoch,
-            rank=fabric.global_rank,
-            world_size=fabric.world_size,
             first_step=resumed.step_in_epoch if resumed else 0,
-            order=order,
             remaining_order=remaining,
             lengths=self.lengths,
             chunk_size=a.mini_batch_chunk_size,

@@ -136,29 +136,27 @@ class EpochBatches:
 
 def epoch_batches(
     train_data: Dataset,
+    fabric: Any,
     *,
     mini_batch_size: int,
     shuffle: bool,
     sampler: Sampler | None,
-    epoch: int,
-    rank: int,
-    world_size: int,
     first_step: int = 0,
-    order: list[int] | None = None,
     remaining_order: list[int] | None = None,
     lengths: Sequence[int] | None = None,
     chunk_size: int | None = None,
 ) -> EpochBatches:
-    """This rank's batches for ``epoch`` (1-based, as in flair).
+    """This rank's batches of the epoch that starts now.
 
     In one process the batches are flair's own loader's (same shuffling, same random numbers drawn); from
-    ``first_step`` on, the loader's index batches are skipped without reading the data. ``remaining_order``: the
-    epoch's data points not read yet, in order (a resume on another number of processes), cut into batches afresh
-    and numbered from ``first_step`` on, as in the epoch the interrupted run began. ``order`` (several processes): the
-    job's order of the epoch (:func:`job_epoch_order`).
+    ``first_step`` on, the loader's index batches are skipped without reading the data. With several processes the
+    order is the job's (:func:`job_epoch_order`). ``remaining_order``: the epoch's data points not read yet, in order
+    (a resume on another number of processes), cut into batches afresh and numbered from ``first_step`` on, as in the
+    epoch the interrupted run began.
     ``lengths`` (several processes): each step's data points are dealt to the ranks by these lengths, in hands that
     need no more chunks of ``chunk_size`` than strided batches.
     """
+    rank, world_size = fabric.global_rank, fabric.world_size
     if remaining_order is not None:
         rest = _cut(train_data, remaining_order, mini_batch_size, rank, world_size, lengths, chunk_size)
         return rest.after(first_step)
@@ -172,8 +170,7 @@ def epoch_batches(
         )
         remaining = list(itertools.islice(indices, first_step, None))
         return EpochBatches(_read(train_data, remaining), len(loader), first_step)
-    if order is None:
-        raise ValueError("several processes read the job's order of the epoch: pass order=job_epoch_order(...)")
+    order = job_epoch_order(fabric, train_data, mini_batch_size=mini_batch_size, shuffle=shuffle, sampler=sampler)
     return _cut(train_data, order, mini_batch_size, rank, world_size, lengths, chunk_size, skip=first_step)
 
 

@@ -246,12 +246,14 @@ def test_trainer_save_model_writes_each_file_once_from_global_zero(watched_run: 
 def test_no_collective_is_added_to_the_training_step(watched_run: Path) -> None:
     """The ranks meet after before_training_epoch, at flair's 10 log points (steps 3, 6, ..., 30), at step 20 (the
     agreement every 20 steps: not a log point here) and at the epoch's end, each a fabric.all_reduce (a barrier and an
-    all-reduce): exactly 13 agreements in the 30 steps, none in the other steps."""
-    agreements = 1 + 10 + 1 + 1
+    all-reduce): exactly 13 agreements in the 30 steps, none in the other steps. Before the first step, rank 0 sends
+    the shuffled epoch's order (one fabric.broadcast)."""
+    agreements, order = 1 + 10 + 1 + 1, 1
     for rank in (0, 1):
         watched = _watched(watched_run, rank)
         assert watched["steps"] == {epoch: STEPS for epoch in range(1, WATCHED_EPOCHS + 1)}
-        assert watched["collectives"] == {epoch: 2 * agreements for epoch in range(1, WATCHED_EPOCHS + 1)}, rank
+        expected = {epoch: 2 * agreements + order for epoch in range(1, WATCHED_EPOCHS + 1)}
+        assert watched["collectives"] == expected, rank
 
 
 @pytest.mark.multiprocess

@@ -44,7 +44,7 @@ ANNEALED = {
         "max_epochs": 3,
         "mini_batch_size": 4,
         "mini_batch_chunk_size": 2,
-        "learning_rate": 0.5,
+        "learning_rate": 0.25,
         "decoder_learning_rate": 0.05,
         "patience": 0,
         "anneal_with_restarts": True,
