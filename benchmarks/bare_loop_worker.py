@@ -47,8 +47,9 @@ def _bare_epochs(
 ) -> tuple[Any, dict[str, list[float]]]:
     from flair.training_utils import store_embeddings
 
+    from flair_fabric.training.lengths import data_point_lengths
     from flair_fabric.training.optimizer_implementation import build_optimizer
-    from flair_fabric.training.sampling import ShardedBatchSampler, data_point_lengths
+    from flair_fabric.training.sampling import ShardedBatchSampler
 
     corpus = train_only_corpus(run.train_size)
     model = build_model(run.model, corpus)
@@ -62,7 +63,9 @@ def _bare_epochs(
     )
     lengths = data_point_lengths(corpus.train) if balanced else None
     order = list(range(len(corpus.train)))
-    sampler = ShardedBatchSampler(order, rank=rank, world_size=devices, batch_size=run.batch_size, lengths=lengths)
+    sampler = ShardedBatchSampler(
+        order, rank=rank, world_size=devices, global_batch_size=run.batch_size * devices, lengths=lengths
+    )
     batches = [[corpus.train[i] for i in indices] for indices in sampler]
     timer = EpochTimer()
     for _ in range(run.epochs):

@@ -31,6 +31,7 @@ from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
+from flair_fabric.training.batch_sizes import check_batch_options, mini_batch_size_left_to_global, resolve_batch_sizes
 from flair_fabric.training.evaluating import steps_between_evaluations
 from flair_fabric.training.job import TrainingJob
 from flair_fabric.training.progress_bar import show_progress_bar
@@ -103,14 +104,16 @@ class FabricTrainer(ModelTrainer):
 
     @with_flair_signature(ModelTrainer.train)
     def train(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
-        return super().train(base_path, *args, **kwargs)
+        return super().train(base_path, *args, **mini_batch_size_left_to_global(ModelTrainer.train, args, kwargs))
 
     @with_flair_signature(ModelTrainer.fine_tune)
     def fine_tune(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
+        kwargs = mini_batch_size_left_to_global(ModelTrainer.fine_tune, args, kwargs)
         return super().fine_tune(base_path, *args, **kwargs)
 
     @with_flair_signature(ModelTrainer.train_custom)
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
+        kwargs = mini_batch_size_left_to_global(ModelTrainer.train_custom, args, kwargs)
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
         bound = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
         flair_arguments, auto_chunks = bound.without_automatic_chunks()
@@ -121,6 +124,9 @@ class FabricTrainer(ModelTrainer):
                 " pass devices=N (and strategy=...) instead of multi_gpu=True."
             )
         launch = make_launch_config(**lightning.as_dict(), use_amp=flair_arguments.use_amp)
+        flair_arguments, global_batch_size = resolve_batch_sizes(
+            flair_arguments, options.global_batch_size, launch.world_size
+        )
         checkpoints = CheckpointPolicy.checked(
             every_n_epochs=options.checkpoint_every_n_epochs,
             every_n_steps=options.checkpoint_every_n_steps,
@@ -141,6 +147,10 @@ class FabricTrainer(ModelTrainer):
             checkpoints=checkpoints,
             resume_folder=resume_folder,
             start_epoch=start_epoch,
+            global_batch_size=global_batch_size,
+            global_batch_size_given=options.global_batch_size is not None,
+            group_by_length=options.group_by_length,
+            group_by_length_window=options.group_by_length_window,
             balance_batches=options.balance_batches,
             val_check_interval=options.val_check_interval,
             chunks_on_out_of_memory=auto_chunks,
@@ -169,7 +179,8 @@ class FabricTrainer(ModelTrainer):
                 f"the train split has {size} data point(s) for {arguments.launch.world_size} processes: every process"
                 " needs at least one; use fewer devices or more training data."
             )
-        steps = steps_per_epoch(size, a.mini_batch_size, arguments.launch.world_size)
+        check_batch_options(arguments)
+        steps = steps_per_epoch(size, arguments.global_batch_size)
         steps_between_evaluations(arguments.val_check_interval, steps)  # refused here if it does not fit an epoch
 
     def attach_run(self, fabric: Fabric, run: TrainingRun | None) -> None:

@@ -57,7 +57,7 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {
             "name": "union_shuffled",
             "method": "train_custom",
-            "kwargs": {**UNION, "shuffle": True, "mini_batch_size": 4, "devices": 2},
+            "kwargs": {**UNION, "shuffle": True, "global_batch_size": 8, "devices": 2},
         },
         {
             "name": "union_chunked",

@@ -72,6 +72,12 @@ class RunState:
     chunk_size: int | None = None
     """With ``mini_batch_chunk_size="auto"``: the chunk size a step of the current epoch needed after running out of
     memory (``None``: whole mini-batches)."""
+    global_batch_size: int = 0
+    """The data points of one optimizer step over all ranks (0: a checkpoint of flair-fabric before 2026-12-07)."""
+    global_batch_size_given: bool = False
+    """Whether the run named ``global_batch_size`` (else it is ``mini_batch_size`` times the processes)."""
+    group_by_length_window: int = 0
+    """With ``group_by_length``: its window in global batches (0: flair's batches)."""
     epoch_end: EpochEnd = EpochEnd.NOTHING
     """What the current epoch's end must do (decided at its last step)."""
     preempted_by: str | None = None
@@ -106,3 +112,37 @@ class RunState:
         values["epoch_end"] = EpochEnd(values.get("epoch_end", EpochEnd.NOTHING.value))
         values["flags"] = AgreementFlags(**values.get("flags", {}))
         return cls(**values)
+
+    def global_batch_changes(self, global_batch_size: int, given: bool) -> str | None:
+        """Whether a run with ``global_batch_size`` (``given``: named by the caller) may continue this checkpoint:
+        ``None`` where it continues the same steps, a warning where the checkpoint's run and this one both set their
+        batch per process and the global batch changes with the number of processes. A run that named
+        ``global_batch_size``, or continues one that did, must keep it: else a ``ValueError`` names both values."""
+        saved = self.global_batch_size
+        if saved in (0, global_batch_size):
+            return None
+        written = f"global_batch_size={saved}" + (
+            "" if self.global_batch_size_given else f" ({self.world_size} process(es) x mini_batch_size)"
+        )
+        if self.global_batch_size_given or given:
+            raise ValueError(
+                f"resume_from: the checkpoint was trained with {written}, this run has global_batch_size="
+                f"{global_batch_size}: pass global_batch_size={saved} (and leave mini_batch_size out) to continue"
+                " the same run, or start a new run."
+            )
+        return (
+            f"the checkpoint was trained with {written} and this run's mini_batch_size gives {global_batch_size}: the"
+            f" steps from here on are of another size; pass global_batch_size={saved} to continue the same run."
+        )
+
+    def check_same_grouping(self, group_by_length_window: int) -> None:
+        """Refuse to continue this checkpoint with other batches by length (``0``: not grouped), naming both."""
+        if self.group_by_length_window != group_by_length_window:
+
+            def named(window: int) -> str:
+                return f"group_by_length=True, group_by_length_window={window}" if window else "group_by_length=False"
+
+            raise ValueError(
+                f"resume_from: the checkpoint was trained with {named(self.group_by_length_window)}, this run has"
+                f" {named(group_by_length_window)}: pass the checkpoint's to continue the same run, or start a new run."
+            )

@@ -9,9 +9,8 @@ arguments, the epoch a resumed run starts after) are computed, never written bac
 from __future__ import annotations
 
 import inspect
-import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,132 +26,13 @@ from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.strategies import strategy_name
+from flair_fabric.training.options import TrainingOptions
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
 
 
-def _about(meaning: str, accepted: str, doc: str) -> dict[str, str]:
-    """An option's description: its meaning and accepted values (the README's table), its docstring line."""
-    return {"meaning": meaning, "accepted": accepted, "doc": doc}
-
-
-@dataclass(frozen=True)
-class TrainingOptions:
-    """flair-fabric's own training arguments, as the caller gave them (checked when the run's arguments are bound).
-
-    Declared once: the signatures of ``train``, ``fine_tune`` and ``train_custom``, their docstring and the README's
-    argument table come from these fields (``tests/training/test_arguments.py`` holds the README to them)."""
-
-    progress_bar: bool | None = field(
-        default=None,
-        metadata=_about(
-            "a bar per epoch on global rank 0; `None`: in a terminal or a notebook",
-            "`None`, `True`, `False`",
-            "a bar per epoch on global rank 0: True, False, or None (in a terminal or a notebook).",
-        ),
-    )
-    checkpoint_every_n_epochs: int = field(
-        default=0,
-        metadata=_about(
-            "save the complete training state to `base_path/checkpoints/` every n epochs",
-            "int >= 0",
-            "save the complete training state to base_path/checkpoints/ every n epochs (0: never).",
-        ),
-    )
-    checkpoint_every_n_steps: int | None = field(
-        default=None,
-        metadata=_about(
-            "also every n optimizer steps, inside epochs: a resume continues at the next batch",
-            "int >= 1",
-            "also every n optimizer steps, inside epochs (a resume continues at the next batch).",
-        ),
-    )
-    checkpoint_every_n_minutes: float | None = field(
-        default=None,
-        metadata=_about(
-            "also every n minutes of global rank 0's clock",
-            "a positive number",
-            "also every n minutes (global rank 0's clock, agreed by all ranks).",
-        ),
-    )
-    keep_checkpoints: int = field(
-        default=1,
-        metadata=_about(
-            "how many of the newest complete checkpoints are kept",
-            "int >= 1",
-            "how many of the newest complete checkpoints to keep.",
-        ),
-    )
-    requeue_signal: signal.Signals | str | None = field(
-        default=signal.SIGUSR1,
-        metadata=_about(
-            '"preempted": every rank stops, a checkpoint is written, the job is requeued (`scontrol`) or exits with'
-            " code 75",
-            "a signal, its name, `None`",
-            'the signal that means "preempted" (SLURM\'s --signal=USR1@120): every rank stops at the next'
-            " agreement point, a checkpoint is written, the job is requeued (scontrol) or exits with code 75. None:"
-            " no such signal.",
-        ),
-    )
-    resume_from: str | Path | None = field(
-        default=None,
-        metadata=_about(
-            'continue a run exactly from a checkpoint, also mid-epoch; `"auto"`: the run\'s newest (the default'
-            " after a torchrun restart)",
-            '`None`, `"auto"`, a checkpoint folder',
-            'continue from a checkpoint: its folder, or "auto" for the newest in base_path/checkpoints (the'
-            " default when torchrun restarted the job).",
-        ),
-    )
-    balance_batches: bool = field(
-        default=True,
-        metadata=_about(
-            "several processes with DDP (FSDP and DeepSpeed keep strided shards): each step's data points are dealt"
-            " to the ranks so that the rank with the longest sentences gets fewer (the same points per step, the"
-            " same gradient up to the order of additions); `False`: strided shards of equal size",
-            "`True`, `False`",
-            "several processes with DDP: deal each step's data points to the ranks so that the rank with the"
-            " longest sentences gets fewer (the same points per step, the same gradient up to the order of"
-            " additions); False, and always with FSDP or DeepSpeed: strided shards of equal size.",
-        ),
-    )
-
-    val_check_interval: int | float | None = field(
-        default=None,
-        metadata=_about(
-            "also evaluate (dev score, `loss.tsv` row, `best-model.pt`, annealing, `after_evaluation`) inside epochs:"
-            " an int is every n optimizer steps of an epoch, a float in (0, 1] that fraction of an epoch's steps;"
-            " `None`: at epoch ends only, as flair",
-            "`None`, int >= 1, float in (0, 1]",
-            "also evaluate inside epochs, as at an epoch's end: every n optimizer steps of an epoch (int), or every"
-            " fraction of an epoch's steps (float in (0, 1]); None: at epoch ends only, as flair.",
-        ),
-    )
-
-    @classmethod
-    def names(cls) -> list[str]:
-        """The option names, in order."""
-        return [each.name for each in fields(cls)]
-
-    def check(self) -> None:
-        """Refuse options of the wrong kind, naming the argument and the fix (before any process starts)."""
-        if not isinstance(self.balance_batches, bool):
-            raise ValueError(
-                f"balance_batches={self.balance_batches!r} is not valid: pass True (each step dealt by length) or"
-                " False (strided shards)."
-            )
-        interval = self.val_check_interval
-        valid_int = isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1
-        valid_fraction = isinstance(interval, float) and 0.0 < interval <= 1.0
-        if interval is not None and not (valid_int or valid_fraction):
-            raise ValueError(
-                f"val_check_interval={interval!r} is not valid: pass a number of optimizer steps (an int >= 1), a"
-                " fraction of an epoch (a float in (0, 1], e.g. 0.25 for four evaluations per epoch), or None to"
-                " evaluate at epoch ends only."
-            )
-
-
 _ANNOTATIONS = {
+    "global_batch_size": "Optional[int]",
     "devices": "DevicesArgument",
     "strategy": "StrategyArgument",
     "precision": "Optional[str]",
@@ -296,6 +176,13 @@ class TrainArguments:
     resume_folder: Path | None
     start_epoch: int
     """The completed epochs the run starts after: flair's ``epoch``, or the resumed checkpoint's."""
+    global_batch_size: int = 1
+    """The data points of one optimizer step over all ranks (``flair.mini_batch_size`` is the largest share)."""
+    global_batch_size_given: bool = False
+    """Whether the caller named ``global_batch_size`` (else it is ``mini_batch_size`` times the processes)."""
+    group_by_length: bool = False
+    """Each epoch's batches grouped by length, in windows of ``group_by_length_window`` global batches."""
+    group_by_length_window: int = 50
     balance_batches: bool = True
     """Several processes: deal each step's data points to the ranks by length."""
     val_check_interval: int | float | None = None
@@ -332,6 +219,9 @@ class TrainArguments:
             "requeue_signal": self.checkpoints.requeue_signal.name if self.checkpoints.requeue_signal else None,
             "resume_from": str(self.resume_folder) if self.resume_folder is not None else None,
             "collective_timeout": launch.collective_timeout,
+            "global_batch_size": self.global_batch_size,
+            "group_by_length": self.group_by_length,
+            "group_by_length_window": self.group_by_length_window,
             "balance_batches": self.balance_batches,
             "val_check_interval": self.val_check_interval,
         }

@@ -9,8 +9,9 @@ epoch's order), and the step's gradient is that of the loss summed over all of t
 (:mod:`flair_fabric.training.step`), so dealing them differently changes the result only by the order of
 floating-point additions. Here the step's points, longest first, are cut into one run per rank so that the largest
 ``points x longest`` of any rank is as small as it can be: the rank with the longest sentences gets fewer of them.
-Every rank gets at least one point, and no more than ``capacity`` (with ``mini_batch_chunk_size``: no more chunks
-than the strided batches need). Each rank reads its points in the epoch's order.
+Every rank gets at least one point (where the step has as many), and no more than ``capacity`` (with
+``mini_batch_chunk_size``: no more chunks than the strided batches need). Each rank reads its points in
+the epoch's order.
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ def deal_steps_by_length(
 ) -> list[list[list[int]]]:
     """Every rank's batches of an epoch: step k takes the next ``step_sizes[k]`` data points of ``order`` (the union
     of the ranks' k-th strided batches) and deals them by ``lengths`` (indexed by data point) into hands of at most
-    ``capacities[k]``. Returns ``batches[r][k]``."""
+    ``capacities[k]`` (every rank gets one, where the step has as many). Returns ``batches[r][k]``."""
     dealt: list[list[list[int]]] = [[] for _ in range(ranks)]
     offset = 0
     for size, capacity in zip(step_sizes, capacities, strict=True):
         step = order[offset : offset + size]
         offset += size
-        for rank, hand in enumerate(deal_by_length([lengths[i] for i in step], ranks, capacity)):
+        holding = min(ranks, size)  # a last step with fewer data points than ranks: the last ranks get none
+        hands = deal_by_length([lengths[i] for i in step], holding, capacity) + [[]] * (ranks - holding)
+        for rank, hand in enumerate(hands):
             dealt[rank].append([step[position] for position in hand])
     return dealt

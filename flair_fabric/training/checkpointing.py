@@ -129,21 +129,26 @@ class Checkpointing:
         progress.chunk_size = saved.chunk_size
         if run.fabric.is_global_zero:
             keep_loss_rows_up_to(run.base_path / "loss.tsv", saved.epoch, saved.batch_count)
-        same = saved.world_size == run.fabric.world_size
-        if not same:
-            log.warning(
-                f"resuming a checkpoint of {saved.world_size} process(es) on {run.fabric.world_size}: model, optimizer"
-                " and schedulers continue from their saved state and the interrupted epoch goes on with the data not"
-                " read yet; the random number streams start anew and a schedule counted in steps counts this run's"
-                " steps, so the rest of the run differs from one on the original number of processes."
-            )
+        saved.check_same_grouping(progress.group_by_length_window)
+        changed = saved.global_batch_changes(progress.global_batch_size, progress.global_batch_size_given)
+        same = saved.world_size == run.fabric.world_size and changed is None
+        if changed is not None or saved.world_size != run.fabric.world_size:
+            resuming = f"resuming a checkpoint of {saved.world_size} process(es) on {run.fabric.world_size}"
+            if changed is None:  # the same global batch: the same steps, global rank 0 draws the orders on
+                log.info(f"{resuming}, global_batch_size={progress.global_batch_size}: the run goes on as it was")
+            else:
+                log.warning(
+                    f"{resuming}: {changed} Model, optimizer and schedulers continue from their saved state and the"
+                    " interrupted epoch goes on with the data not read yet; a schedule counted in steps counts this"
+                    " run's steps, so the rest of the run differs from the one the checkpoint was written in."
+                )
         where = (
             f"step {saved.step_in_epoch} of epoch {saved.epoch + 1}" if saved.step_in_epoch else f"epoch {saved.epoch}"
         )
         log.info(f"resumed from {folder} after {where} ({saved.batch_count} steps)")
         point = ResumePoint(saved.step_in_epoch, saved.epoch_position, every_rank, same)
-        if same and not point.step_in_epoch:
-            set_rng_state(every_rank[run.fabric.global_rank]["rng"])  # the next epoch draws what it drew
+        if not point.step_in_epoch:
+            self.after_epoch_is_drawn(point)  # the next epoch draws what it drew
         return point
 
     def continue_epoch(self, point: ResumePoint, epoch_loss: LossTracker, epoch: int) -> list[int] | None:
@@ -164,18 +169,24 @@ class Checkpointing:
         return self._epoch_order_as_written(point, epoch)[point.epoch_position :]
 
     def after_epoch_is_drawn(self, point: ResumePoint) -> None:
-        """The generators where the interrupted run left them (same number of processes)."""
-        if point.same_processes:
-            set_rng_state(point.every_rank[self.run.fabric.global_rank]["rng"])
+        """The generators where the interrupted run left them: each rank the ones its rank had (global rank 0's draw
+        the orders of the epochs to come; a rank the interrupted run did not have keeps its own)."""
+        rank = self.run.fabric.global_rank
+        if rank < len(point.every_rank):
+            set_rng_state(point.every_rank[rank]["rng"])
 
     def _epoch_order_as_written(self, point: ResumePoint, epoch: int) -> list[int]:
         """The interrupted epoch's order, drawn again on every rank from the generators global rank 0 drew it from."""
-        run, a = self.run, self.run.flair_arguments
+        run = self.run
         shuffle = run.shuffles(epoch)
         now = rng_state()
         set_rng_state(point.every_rank[0]["epoch_start_rng"])  # as one process's loader drew it (every start path)
         order = epoch_order_of_one_process(
-            run.data.train, mini_batch_size=a.mini_batch_size, shuffle=shuffle, sampler=run.data.sampler
+            run.data.train,
+            global_batch_size=run.arguments.global_batch_size,
+            shuffle=shuffle,
+            sampler=run.data.sampler,
+            grouping=run.grouping,
         )
         set_rng_state(now)
         return order

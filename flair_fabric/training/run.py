@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import torch
 from flair.trainers.plugins import MetricRecord, TrainingInterrupt
 from flair.training_utils import log_line
 from lightning.fabric import Fabric
-from lightning.fabric.utilities.throughput import Throughput
 
 from flair_fabric.distributed.fingerprints import check_ranks_agree, corpus_fingerprint, model_fingerprint
 from flair_fabric.distributed.lockstep import Agreed, Lockstep
@@ -38,17 +36,15 @@ from flair_fabric.training.evaluating import (
     steps_between_evaluations,
     test_final_model,
 )
+from flair_fabric.training.grouping import Grouping
 from flair_fabric.training.interface import FlairTrainer
+from flair_fabric.training.lengths import data_point_lengths, length_counter
+from flair_fabric.training.log_points import EpochLog
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.out_of_memory import ChunksOnOutOfMemory
 from flair_fabric.training.participation import Participation, stand_in_and_probe
 from flair_fabric.training.progress_bar import EpochProgressBar
-from flair_fabric.training.sampling import (
-    EpochBatches,
-    data_point_lengths,
-    epoch_batches,
-    steps_per_epoch,
-)
+from flair_fabric.training.sampling import EpochBatches, epoch_batches, steps_per_epoch
 from flair_fabric.training.setup import (
     attach_plugins,
     base_path_ready,
@@ -77,11 +73,20 @@ class TrainingRun:
         self.base_path = arguments.flair.base_path
         self.strategy = training_strategy(fabric.strategy)
         self.position = position or Position()  # where this rank is, for the error a stalled collective raises
-        self.progress = RunState(arguments.start_epoch, 0, 0.0, fabric.world_size)  # the one record of the run
+        self.progress = RunState(  # the one record of the run
+            arguments.start_epoch,
+            0,
+            0.0,
+            fabric.world_size,
+            global_batch_size=arguments.global_batch_size,
+            global_batch_size_given=arguments.global_batch_size_given,
+            group_by_length_window=arguments.group_by_length_window if arguments.group_by_length else 0,
+        )
         self.lockstep = Lockstep(fabric, self.progress.flags)  # where the ranks agree (no collective in one process)
         self.checkpointing = Checkpointing(self)
         self.dynamic_embeddings: list[str] | None = None
         self.lengths: list[int] | None = None  # per data point, when each step is dealt to the ranks by length
+        self.grouping: Grouping | None = None  # group_by_length
 
     # --- the run, top-down --------------------------------------------------------------------------------------
 
@@ -132,7 +137,11 @@ class TrainingRun:
         self.data = training_data(trainer, trainer.corpus, a)
         # sharded strategies keep strided shards: FSDP's collectives mismatched with batches of different sizes
         balanced = fabric.world_size > 1 and self.arguments.balance_batches and keeps_whole_model(fabric.strategy)
-        self.lengths = data_point_lengths(self.data.train) if balanced else None
+        grouped = self.arguments.group_by_length
+        lengths = data_point_lengths(self.data.train, trainer.model) if balanced or grouped else None
+        self.lengths = lengths if balanced else None
+        self.length_of = length_counter(trainer.model)  # for the tokens counted at log points
+        self.grouping = Grouping(lengths, self.arguments.group_by_length_window) if lengths and grouped else None
 
         # a step that learns nothing must take part in the others' collectives (unless no pass synchronises)
         auto_chunks, several = self.arguments.chunks_on_out_of_memory, fabric.world_size > 1
@@ -154,7 +163,7 @@ class TrainingRun:
         self.module, trainer.optimizer, trainer.model = prepared.module, prepared.optimizer, prepared.model
         self.participation = Participation(trainer.model, stand_in) if several and not auto_chunks else None
         self.chunks_on_out_of_memory = ChunksOnOutOfMemory.if_asked(fabric, self.progress, self.module, self.arguments)
-        self.steps_per_epoch = steps_per_epoch(self.data.size, a.mini_batch_size, fabric.world_size)
+        self.steps_per_epoch = steps_per_epoch(self.data.size, self.arguments.global_batch_size)
         self.evaluation_interval = steps_between_evaluations(self.arguments.val_check_interval, self.steps_per_epoch)
         self.progress.best_epoch_score = 0 if self.data.best_by_dev_score else float("inf")
 
@@ -227,13 +236,12 @@ class TrainingRun:
         epoch_loss = LossTracker(fabric.device)
         plan = self._batches_of(epoch, epoch_loss)
         trainer.model.train()
-        epoch_start_time, carried = time.time(), epoch_loss.data_points
         log_modulo = max(1, int(plan.total / 10))
+        epoch_log = EpochLog(self, epoch, plan.total, plan.first_step, epoch_loss)
 
         bar = EpochProgressBar(
             self.arguments.progress_bar and fabric.is_global_zero, epoch, plan.total, plan.first_step
         )
-        throughput = Throughput(window_size=3)  # Lightning's: samples/s over the last log points, for the bar
         try:
             for batch_no, batch in enumerate(plan.batches, start=plan.first_step):
                 progress.batch_count += 1
@@ -255,26 +263,12 @@ class TrainingRun:
                     if gradient_norm is not None:
                         trainer._record(MetricRecord.scalar(("train", "gradient_norm"), gradient_norm, step))
                     epoch_loss.add(batch_loss.loss_sum, batch_loss.data_points)
+                epoch_log.after_step(batch)
 
                 agreed: Agreed | None = None
                 if (batch_no + 1) % log_modulo == 0:
                     self.position.at("the train loss all-reduce at a log point")
-                    so_far, agreed = self.global_loss(epoch_loss)
-                    elapsed = time.time() - epoch_start_time
-                    lr_info, momentum_info = trainer._get_current_lr_and_momentum(progress.batch_count)
-                    log.info(
-                        f"epoch {epoch}"
-                        f" - iter {batch_no + 1}/{plan.total}"
-                        f" - loss {so_far.mean:.8f}"
-                        f" - time (sec): {elapsed:.2f}"
-                        f" - samples/sec: {(so_far.data_points - carried) / elapsed:.2f}"
-                        f"{lr_info}{momentum_info}"
-                    )
-                    done, read = batch_no + 1 - plan.first_step, so_far.data_points - carried  # since this start
-                    if read >= done:  # (Lightning's monitor counts at least a sample per batch)
-                        throughput.update(time=elapsed, batches=done, samples=read)
-                    recent = throughput.compute().get("device/samples_per_sec", read / elapsed)
-                    bar.report(so_far.mean, recent)  # the counts are global already: the rate is the job's
+                    agreed, lr_info = epoch_log.log_point(batch_no, epoch_loss, bar)
                 elif (batch_no + 1) % AGREE_EVERY == 0:  # checkpoints by time and preemption, within seconds
                     self.position.at("the agreement on stops and checkpoints")
                     agreed = self.lockstep.agree()
@@ -307,17 +301,18 @@ class TrainingRun:
         plan = epoch_batches(
             self.data.train,
             fabric,
-            mini_batch_size=a.mini_batch_size,
+            global_batch_size=self.arguments.global_batch_size,
             shuffle=self.shuffles(epoch),
             sampler=self.data.sampler,
             first_step=resumed.step_in_epoch if resumed else 0,
             remaining_order=remaining,
             lengths=self.lengths,
             chunk_size=a.mini_batch_chunk_size,
+            grouping=self.grouping,
         )
-        if resumed and resumed.same_processes:  # the order is drawn: the generators where the interrupted run left them
+        if resumed:  # the order is drawn: the generators where the interrupted run left them
             self.checkpointing.after_epoch_is_drawn(resumed)
-        elif resumed:  # the rest of the epoch, numbered as in the epoch the interrupted run began
+        if resumed and not resumed.same_processes:  # the rest of the epoch, numbered as in the epoch it began
             progress.epoch_position, progress.step_in_epoch = resumed.epoch_position, resumed.step_in_epoch
         return plan
 
@@ -343,11 +338,12 @@ class TrainingRun:
 
     # --- agreement, checkpoints ---------------------------------------------------------------------------------
 
-    def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:
-        """The loss all-reduced over the ranks; the same collective is where the ranks agree on stops, checkpoints
-        and preemptions held since the last one (no extra collective per step)."""
-        agreed = self.lockstep.agree(loss.loss_sum, float(loss.data_points))
-        loss_sum, data_points = agreed.values
+    def global_loss(self, loss: LossTracker, *also: float) -> tuple[GlobalLoss, Agreed]:
+        """The loss (and the numbers ``also``, after it in the agreed values) all-reduced over the ranks; the same
+        collective is where the ranks agree on stops, checkpoints and preemptions held since the last one (no extra
+        collective per step)."""
+        agreed = self.lockstep.agree(loss.loss_sum, float(loss.data_points), *also)
+        loss_sum, data_points = agreed.values[:2]
         return GlobalLoss.of(loss_sum, data_points), agreed
 
     def agree_on_stopping(self) -> None:

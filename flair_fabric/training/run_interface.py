@@ -3,6 +3,7 @@ need no import of :mod:`flair_fabric.training.run`, not even for typing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -13,6 +14,7 @@ from flair_fabric.distributed.stalls import Position
 from flair_fabric.state.run_state import RunState
 from flair_fabric.strategies.base import TrainingStrategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
+from flair_fabric.training.grouping import Grouping
 from flair_fabric.training.interface import FlairTrainer
 from flair_fabric.training.loss import GlobalLoss, LossTracker
 from flair_fabric.training.out_of_memory import ChunksOnOutOfMemory
@@ -38,8 +40,10 @@ class Run(Protocol):
     participation: Participation | None
     chunks_on_out_of_memory: ChunksOnOutOfMemory | None
     dynamic_embeddings: list[str] | None
+    grouping: Grouping | None
+    length_of: Callable[[list], list[int]]
 
-    def global_loss(self, loss: LossTracker) -> tuple[GlobalLoss, Agreed]:
+    def global_loss(self, loss: LossTracker, *also: float) -> tuple[GlobalLoss, Agreed]:
         """The loss all-reduced over the ranks; where the ranks also agree on stops and checkpoints."""
         ...
 

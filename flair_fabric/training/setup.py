@@ -153,8 +153,10 @@ def log_setup(
         f' - learning_rate: "{a.learning_rate}" '
         f"{'(decoder: ' + str(a.decoder_learning_rate) + ')' if a.decoder_learning_rate else ''}"
     )
-    log.info(f' - mini_batch_size: "{a.mini_batch_size}" per device')
-    log.info(f' - global batch size: "{a.mini_batch_size * fabric.world_size}" ({fabric.world_size} process(es))')
+    size, processes = arguments.global_batch_size, fabric.world_size
+    shares = f"{size // processes} or {a.mini_batch_size}" if size % processes else f"{a.mini_batch_size}"
+    log.info(f' - mini_batch_size: "{shares}" per device')
+    log.info(f' - global batch size: "{size}" ({processes} process(es))')
     if fabric.world_size > 1:
         dealt = "each step's data points dealt by length" if dealt_by_length else "strided shards"
         log.info(f' - balance_batches: "{arguments.balance_batches}" ({dealt})')

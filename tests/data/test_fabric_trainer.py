@@ -23,7 +23,7 @@ from flair_fabric.data import MappedCorpus, MappedSplit, stored_lengths
 from flair_fabric.datasets import WNUT16_LABEL_TYPE
 from flair_fabric.launch import transport
 from flair_fabric.training.balancing import data_point_length
-from flair_fabric.training.sampling import data_point_lengths
+from flair_fabric.training.lengths import data_point_lengths
 
 from ..support import (
     REPO,

@@ -240,18 +240,19 @@ def _two_ranks_and_one_process(
 
 @pytest.mark.multiprocess
 def test_linear_schedule_in_lockstep(tmp_path: Path) -> None:
-    """49 questions on 2 ranks: shards of 25 and 24 (a ceiling would give 7 steps of 4, each rank runs 6)."""
+    """49 questions on 2 ranks with batch 4: the 7 steps of one process with batch 8 (6 of 8 questions, then one
+    question, read by rank 0 while rank 1 reads none); a count of each rank's shard of 24 or 25 would give 6."""
     corpus = small_trec(train_size=49)
     schedule = {"max_epochs": 2, "learning_rate": 0.05, "mini_batch_size": 4, "shuffle": True, "method": "fine_tune"}
     _train(tmp_path, tiny_text_classifier(corpus), corpus, 2, [StepRecorder(tmp_path)], **schedule)
     rank0, rank1 = _records(tmp_path)
     # fine_tune's LinearSchedulerPlugin: the same learning rate on both ranks at every step, over the exact steps
     assert rank0["learning_rates"] == rank1["learning_rates"]
-    assert len(rank0["learning_rates"]) == 12 and len(set(rank0["learning_rates"])) > 2
+    assert len(rank0["learning_rates"]) == 14 and len(set(rank0["learning_rates"])) > 2
     # trainer.steps_per_epoch, read inside a hook, is the steps each rank runs: the schedule ends exactly at 0
     for record in (rank0, rank1):
-        assert record["batch_counts"] == list(range(1, 13)) and record["epochs"] == [1, 2]
-        assert record["steps_per_epoch"] == 6
+        assert record["batch_counts"] == list(range(1, 15)) and record["epochs"] == [1, 2]
+        assert record["steps_per_epoch"] == 7
         assert record["learning_rate_at_the_end"] == 0.0
 
 

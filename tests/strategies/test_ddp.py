@@ -89,8 +89,9 @@ def test_two_ranks_equal_one_process_on_the_union_of_their_batches(
 
 
 def test_shuffled_two_ranks_equal_flairs_one_process_shuffling_with_the_double_batch(two_rank_runs: Path) -> None:
-    """docs/launching.md: with shuffling on, 2 ranks with batch 4 read, step by step, the batches flair's one process
-    draws with batch 8 from the same random state, and end at its weights (within 1e-6)."""
+    """docs/launching.md: with shuffling on, 2 ranks with global_batch_size=8 (4 each, started by the script
+    relaunch) read, step by step, the batches flair's one process draws with batch 8 from the same random state, and
+    end at its weights (within 1e-6)."""
     out = two_rank_runs / "flair-shuffled"
     corpus = small_trec()
     model = tiny_text_classifier(corpus)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from flair.data import DataPair, DataTriple, Sentence
 
 from flair_fabric.training.balancing import data_point_length
-from flair_fabric.training.sampling import data_point_lengths
+from flair_fabric.training.lengths import data_point_lengths
 
 
 def test_ddp_dealing_counts_the_tokens_of_a_sentence_and_sums_a_pairs_and_a_triples_parts() -> None:

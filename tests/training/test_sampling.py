@@ -23,33 +23,40 @@ from flair_fabric.training.sampling import ShardedBatchSampler, job_epoch_order,
 from ..support import run_on_ranks
 
 
-def _all_batches(order: list[int], world_size: int, batch_size: int) -> list[list[list[int]]]:
+def _all_batches(order: list[int], world_size: int, global_batch_size: int) -> list[list[list[int]]]:
     return [
-        list(ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=batch_size))
+        list(ShardedBatchSampler(order, rank=rank, world_size=world_size, global_batch_size=global_batch_size))
         for rank in range(world_size)
     ]
 
 
-def test_every_point_once_same_number_of_steps_and_the_largest_batch_of_each_step() -> None:
-    for size, world_size, batch_size in itertools.product(
-        [1, 2, 3, 7, 8, 9, 20, 21, 22, 23, 101], [1, 2, 3, 4], [1, 2, 5]
+def test_each_step_is_one_process_loaders_batch_shared_strided_and_the_steps_do_not_depend_on_the_ranks() -> None:
+    """Against flair's one-process loader with batch size G (the reference): step k of the ranks together holds its
+    k-th batch, rank r reads the batch's points r, r + N, ... (shares differ by at most one; in a last batch with
+    fewer points than ranks the last ranks read none), every rank runs as many steps as that loader has batches."""
+    for size, world_size, global_batch_size in itertools.product(
+        [1, 2, 3, 7, 8, 9, 20, 21, 22, 23, 101], [1, 2, 3, 4], [1, 2, 4, 5, 8, 10]
     ):
-        order = list(range(size))
-        if size < world_size:
-            with pytest.raises(ValueError, match="every process needs at least one"):
-                ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size)
+        order = random.Random(size).sample(range(size), size)
+        if global_batch_size < world_size:
+            with pytest.raises(ValueError, match=f"global_batch_size={global_batch_size} is smaller than the"):
+                ShardedBatchSampler(order, rank=0, world_size=world_size, global_batch_size=global_batch_size)
             continue
+        one_process = [list(batch) for batch in DataLoader(order, batch_size=global_batch_size)]
         samplers = [
-            ShardedBatchSampler(order, rank=rank, world_size=world_size, batch_size=batch_size)
+            ShardedBatchSampler(order, rank=rank, world_size=world_size, global_batch_size=global_batch_size)
             for rank in range(world_size)
         ]
         per_rank = [list(sampler) for sampler in samplers]
-        seen = sorted(index for batches in per_rank for batch in batches for index in batch)
-        assert seen == order
-        assert {len(batches) for batches in per_rank} == {steps_per_epoch(size, batch_size, world_size)}
-        assert all(1 <= len(batch) <= batch_size + 1 for batches in per_rank for batch in batches)
-        largest = [max(len(batches[step]) for batches in per_rank) for step in range(len(per_rank[0]))]
-        assert all(sampler.largest_batches == largest for sampler in samplers), (size, world_size, batch_size)
+        assert [len(batches) for batches in per_rank] == [len(one_process)] * world_size
+        assert len(one_process) == steps_per_epoch(size, global_batch_size)
+        for step, batch in enumerate(one_process):
+            assert [per_rank[rank][step] for rank in range(world_size)] == [
+                batch[r::world_size] for r in range(world_size)
+            ]
+        largest = [max(len(batches[step]) for batches in per_rank) for step in range(len(one_process))]
+        assert all(sampler.largest_batches == largest for sampler in samplers), (size, world_size, global_batch_size)
+        assert all(sampler.step_sizes == [len(batch) for batch in one_process] for sampler in samplers)
 
 
 @pytest.mark.parametrize(
@@ -68,33 +75,30 @@ def test_every_rank_cuts_as_many_chunks_as_the_largest_batch_of_the_step(
     assert chunks_for_every_rank(batch, chunk_size, largest) == expected
 
 
-def test_union_of_rank_batches_is_the_single_process_batch() -> None:
-    order = random.Random(0).sample(range(40), 40)
-    per_rank = _all_batches(order, world_size=2, batch_size=5)
-    for step in range(4):
-        union = sorted(per_rank[0][step] + per_rank[1][step])
-        assert union == sorted(order[step * 10 : (step + 1) * 10])
-
-
 def _padded(batch: list[int], lengths: list[int]) -> int:
-    return len(batch) * max(lengths[i] for i in batch)
+    return len(batch) * max((lengths[i] for i in batch), default=0)
 
 
 def test_dealing_by_length_keeps_each_steps_data_points_and_pads_the_slowest_rank_less() -> None:
-    """Against the strided sampler (the reference): the same data points per step, every rank at least one, each
-    rank's points in the epoch's order, and the largest padded batch (points x longest) never larger."""
+    """Against the strided sampler (the reference): the same data points per step, every rank at least one (where
+    the step has as many), each rank's points in the epoch's order, and the largest padded batch (points x longest)
+    never larger."""
     generator = random.Random(5)
     for size, world_size, batch_size, chunk in itertools.product(
         [2, 7, 9, 22, 23, 64], [2, 3, 4], [1, 3, 8], [None, 2]
     ):
-        if size < world_size:
-            continue
         order = generator.sample(range(size), size)
         lengths = [generator.randint(1, 60) for _ in range(size)]
-        strided = _all_batches(order, world_size, batch_size)
+        global_batch_size = world_size * batch_size
+        strided = _all_batches(order, world_size, global_batch_size)
         samplers = [
             ShardedBatchSampler(
-                order, rank=r, world_size=world_size, batch_size=batch_size, lengths=lengths, chunk_size=chunk
+                order,
+                rank=r,
+                world_size=world_size,
+                global_batch_size=global_batch_size,
+                lengths=lengths,
+                chunk_size=chunk,
             )
             for r in range(world_size)
         ]
@@ -104,7 +108,10 @@ def test_dealing_by_length_keeps_each_steps_data_points_and_pads_the_slowest_ran
             assert sorted(i for r in range(world_size) for i in dealt[r][step]) == sorted(
                 i for r in range(world_size) for i in strided[r][step]
             )
-            assert all(dealt[r][step] for r in range(world_size))
+            holding = min(world_size, len(samplers[0].step_sizes) and samplers[0].step_sizes[step])
+            assert all(dealt[r][step] for r in range(holding)) and not any(
+                dealt[r][step] for r in range(holding, world_size)
+            )
             assert all(sorted(dealt[r][step], key=position.get) == dealt[r][step] for r in range(world_size))
             slowest = max(_padded(dealt[r][step], lengths) for r in range(world_size))
             assert slowest <= max(_padded(strided[r][step], lengths) for r in range(world_size))
@@ -113,10 +120,7 @@ def test_dealing_by_length_keeps_each_steps_data_points_and_pads_the_slowest_ran
             if chunk is not None:  # no rank runs more chunks than the strided batches need
                 strided_largest = max(len(strided[r][step]) for r in range(world_size))
                 assert math.ceil(largest / chunk) <= math.ceil(strided_largest / chunk)
-        assert (
-            samplers[0].step_sizes
-            == ShardedBatchSampler(order, rank=0, world_size=world_size, batch_size=batch_size).step_sizes
-        )
+        assert samplers[0].step_sizes == [len(batch) for batch in DataLoader(order, batch_size=global_batch_size)]
 
 
 def test_dealing_by_length_finds_the_least_padding_a_brute_force_search_finds() -> None:
@@ -139,9 +143,12 @@ def test_dealing_by_length_gives_the_rank_with_the_long_sentences_fewer() -> Non
     """Two long sentences and fourteen short ones for two ranks of 8: strided, both ranks pad 8 points to 40 tokens;
     dealt, one rank takes the two long ones (80 padded tokens), the other the fourteen short ones (56)."""
     lengths = [40 if index in (0, 1) else 4 for index in range(16)]
-    dealt = [list(ShardedBatchSampler(range(16), rank=r, world_size=2, batch_size=8, lengths=lengths)) for r in (0, 1)]
+    dealt = [
+        list(ShardedBatchSampler(range(16), rank=r, world_size=2, global_batch_size=16, lengths=lengths))
+        for r in (0, 1)
+    ]
     assert dealt[0] == [[0, 1]] and dealt[1] == [list(range(2, 16))]
-    strided = _all_batches(list(range(16)), 2, 8)
+    strided = _all_batches(list(range(16)), 2, 16)
     assert [_padded(strided[r][0], lengths) for r in (0, 1)] == [320, 320]
 
 
@@ -166,12 +173,12 @@ def _orders_on_ranks(fabric: Any, out: str) -> None:
     np.random.seed(RANK_ZERO_SEED + rank)
     torch.manual_seed(RANK_ZERO_SEED + rank)
     before = torch.get_rng_state()
-    shuffled = job_epoch_order(fabric, list(range(50)), mini_batch_size=4, shuffle=True, sampler=None)
+    shuffled = job_epoch_order(fabric, list(range(50)), global_batch_size=8, shuffle=True, sampler=None)
     unchanged = torch.equal(torch.get_rng_state(), before)
     sampler = _ShuffledBlocks()
     sampler.set_dataset(list(range(30)))
-    blocks = job_epoch_order(fabric, list(range(30)), mini_batch_size=4, shuffle=False, sampler=sampler)
-    in_order = job_epoch_order(fabric, list(range(5)), mini_batch_size=4, shuffle=False, sampler=None)
+    blocks = job_epoch_order(fabric, list(range(30)), global_batch_size=8, shuffle=False, sampler=sampler)
+    in_order = job_epoch_order(fabric, list(range(5)), global_batch_size=8, shuffle=False, sampler=None)
     record = {"shuffled": shuffled, "blocks": blocks, "in_order": in_order, "generator_unchanged": unchanged}
     (Path(out) / f"orders-rank{rank}.json").write_text(json.dumps(record))
 
