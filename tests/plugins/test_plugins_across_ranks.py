@@ -23,8 +23,8 @@ from lightning.fabric.utilities.throughput import Throughput
 
 from flair_fabric import FabricTrainer
 from flair_fabric.state import model_files
+from flair_fabric.training import log_points
 from flair_fabric.training import progress_bar as progress_bar_module
-from flair_fabric.training import run as training_run
 from flair_fabric.training.progress_bar import EpochProgressBar, show_progress_bar
 from flair_fabric.training.run import TrainingRun
 
@@ -168,7 +168,7 @@ def watched_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             patch.setattr(torch.distributed, name, _counted(getattr(torch.distributed, name)))
         patch.setattr(torch, "save", _recording_save(out / "model-file-writes.tsv", torch.save))
         patch.setattr(TrainingRun, "save_model", _recording_save_model(out / "save-model.tsv", TrainingRun.save_model))
-        patch.setattr(training_run, "Throughput", _RecordedThroughput)
+        patch.setattr(log_points, "Throughput", _RecordedThroughput)
         patch.setattr(EpochProgressBar, "report", _recorded_report(EpochProgressBar.report))
         FabricTrainer(model, corpus).train(
             out,
