@@ -155,11 +155,22 @@ class EveryRankReduceTransformerVocabPlugin(ReduceTransformerVocabPlugin):
                 return
 
 
-def for_world_size(plugins: Sequence[TrainerPlugin], world_size: int) -> list[TrainerPlugin]:
-    """The user's plugins, with flair's plugins that break under distribution swapped for fixed ones."""
+def for_world_size(
+    plugins: Sequence[TrainerPlugin], world_size: int, exact_schedule: bool = False
+) -> list[TrainerPlugin]:
+    """The user's plugins, with flair's plugins that break under distribution swapped for fixed ones.
+    ``exact_schedule`` (a run that named ``global_batch_size``): flair's linear schedule counts the exact steps in
+    one process too (flair's own rounds ``(n + b - 1) / b * max_epochs`` down), so that it does not depend on the
+    number of processes."""
     if world_size == 1:
-        return list(plugins)
+        return [_exact_version(plugin) if exact_schedule else plugin for plugin in plugins]
     return [_distributed_version(plugin) for plugin in plugins]
+
+
+def _exact_version(plugin: TrainerPlugin) -> TrainerPlugin:
+    if type(plugin) is LinearSchedulerPlugin:
+        return ShardedLinearSchedulerPlugin(warmup_fraction=plugin.warmup_fraction)
+    return plugin
 
 
 def _distributed_version(plugin: TrainerPlugin) -> TrainerPlugin:

@@ -53,7 +53,7 @@ def attach_plugins(
     in flair's order; returns the user's plugins as attached. ``step_of``: the run's optimizer step now (for
     ``loss.tsv`` rows of evaluations inside epochs)."""
     flair_arguments = arguments.flair
-    plugins = for_world_size(flair_arguments.plugins or [], fabric.world_size)
+    plugins = for_world_size(flair_arguments.plugins or [], fabric.world_size, arguments.global_batch_size_given)
     for plugin in plugins:
         plugin.attach_to(cast(Pluggable, trainer))  # flair's: global rank 0 only for attach_to_all_processes=False
     release_unattached(plugins)
