@@ -3,9 +3,9 @@ and counting padded positions.
 
 A length counts what a batch is padded in. For a model whose embeddings include a transformer, that is subwords:
 the sentence's words through the transformer's own (fast) tokenizer, special tokens included, as flair's
-``TransformerEmbeddings`` feeds them (words in pairs and triples are summed over the parts). Tokenizing a split is
-cheap next to training on it (TREC's 5,452 questions: about 0.1 s), and subword counts are what a transformer
-computes: a word-count sort leaves batches whose subword lengths still differ. Everything else counts words
+``TransformerEmbeddings`` feeds them (words in pairs and triples are summed over the parts). Tokenizing a split once
+costs little next to training on it (about 0.1 ms a sentence on a CPU core), and subword counts are what a
+transformer computes: a word-count sort leaves batches whose subword lengths still differ. Everything else counts words
 (:func:`~flair_fabric.training.balancing.data_point_length`). A memory-mapped split stores word counts and is read
 from storage: its data points are not built for it (the mapped corpus's point).
 """
