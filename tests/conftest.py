@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before flair and transformers ar
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("LOCAL_RANK", None)
 
-from .support import ANNEALED, UNION, RunCrashed, RunHung, run_script, write_config
+from .support import ANNEALED, GROUPED_BY_2, UNION, RunCrashed, RunHung, run_script, write_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,6 +58,11 @@ def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "name": "union_shuffled",
             "method": "train_custom",
             "kwargs": {**UNION, "shuffle": True, "global_batch_size": 8, "devices": 2},
+        },
+        {
+            "name": "union_grouped",
+            "method": "train_custom",
+            "kwargs": {**UNION, "shuffle": True, "global_batch_size": 8, "devices": 2, **GROUPED_BY_2},
         },
         {
             "name": "union_chunked",

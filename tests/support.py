@@ -19,8 +19,10 @@ import torch
 from flair.data import Corpus
 from flair.embeddings import DocumentPoolEmbeddings, OneHotEmbeddings, TransformerDocumentEmbeddings
 from flair.models import SequenceTagger, TextClassifier
+from flair.samplers import FlairSampler
 from flair.trainers.plugins import BasePlugin, Pluggable, TrainerPlugin
 from lightning.fabric.connector import _PRECISION_INPUT
+from torch.utils.data import RandomSampler
 
 from flair_fabric.datasets import TREC_LABEL_TYPE, WNUT16_LABEL_TYPE, trec_corpus, wnut16_corpus
 from flair_fabric.launch.runner import Job, run_job
@@ -29,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # flair arguments for runs whose weights are compared across launch methods: no shuffling, the final model
 UNION = {"max_epochs": 3, "learning_rate": 0.1, "shuffle": False, "use_final_model_for_eval": True}
+GROUPED_BY_2: dict[str, Any] = {"group_by_length": True, "group_by_length_window": 2}  # windows of two global batches
 # a 2-rank run whose dev, train-sample and test evaluations are sharded (batches of 2) and drive annealing
 ANNEALED = {
     "max_epochs": 4,
@@ -390,3 +393,27 @@ def script_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO), **extra}
     env.pop("LOCAL_RANK", None)
     return env
+
+
+class GroupedByLength(FlairSampler):
+    """docs/launching.md's group_by_length written out as a sampler for flair's own trainer: the order flair's
+    shuffling draws (torch's RandomSampler), cut into windows of ``window`` batches; each window sorted by length
+    (words; longest first, equal lengths in the drawn order) and cut into batches, its whole batches shuffled by
+    ``torch.randperm`` (a short last batch stays last); then the epoch's batch with the most padded positions moves
+    to the front."""
+
+    def __init__(self, batch_size: int, window: int) -> None:  # (flair's own call Sampler.__init__(None))
+        self.batch_size, self.window = batch_size, window
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(RandomSampler(range(self.num_samples)))
+        lengths = [len(self.data_source[index]) for index in range(self.num_samples)]
+        size, batches = self.batch_size, []
+        for start in range(0, len(order), size * self.window):
+            in_window = sorted(order[start : start + size * self.window], key=lambda index: -lengths[index])
+            cut = [in_window[k : k + size] for k in range(0, len(in_window), size)]
+            whole, short = [each for each in cut if len(each) == size], [each for each in cut if len(each) < size]
+            batches += [whole[position] for position in torch.randperm(len(whole)).tolist()] + short
+        costs = [len(each) * max(lengths[index] for index in each) if len(each) == size else -1 for each in batches]
+        batches.insert(0, batches.pop(costs.index(max(costs))))
+        return iter([index for each in batches for index in each])

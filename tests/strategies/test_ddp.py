@@ -21,7 +21,9 @@ from flair.trainers.plugins import MetricHistoryPlugin, TrainerPlugin
 from flair_fabric import FabricTrainer
 
 from ..support import (
+    GROUPED_BY_2,
     UNION,
+    GroupedByLength,
     RunCrashed,
     make_tiny_bert,
     run_script,
@@ -105,6 +107,21 @@ def test_shuffled_two_ranks_equal_flairs_one_process_shuffling_with_the_double_b
     assert losses == pytest.approx(reference["train_loss_history"], rel=1e-6)
     in_order = _weights(two_rank_runs / "union", 0)["final"]
     assert state_dict_difference(in_order, weights["final"]) > 1e-4, "shuffling changed the run"
+
+
+def test_grouped_two_ranks_equal_flairs_one_process_reading_the_grouped_order(two_rank_runs: Path) -> None:
+    """docs/launching.md: group_by_length on 2 ranks started by the script relaunch (global batch 8, windows of 2
+    batches) ends at the weights of flair's one process with batch 8 reading the documented grouped order through a
+    sampler, from the same random state (within 1e-6)."""
+    out = two_rank_runs / "flair-grouped"
+    corpus = small_trec()
+    model = tiny_text_classifier(corpus)
+    sampler = GroupedByLength(8, GROUPED_BY_2["group_by_length_window"])
+    ModelTrainer(model, corpus).train_custom(out, **{**UNION, "shuffle": True}, mini_batch_size=8, sampler=sampler)
+    weights = _weights(two_rank_runs / "union_grouped", 0)
+    assert state_dict_difference(weights["final"], model.state_dict()) <= 1e-6
+    shuffled = _weights(two_rank_runs / "union_shuffled", 0)["final"]
+    assert state_dict_difference(shuffled, weights["final"]) > 1e-4, "grouping changed the run"
 
 
 def test_balanced_steps_hold_the_strided_steps_data_and_pad_the_slowest_rank_less(two_rank_runs: Path) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,11 @@ from flair.samplers import FlairSampler
 from flair.trainers import ModelTrainer
 from flair.trainers.plugins import TrainerPlugin
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
-from torch.utils.data import RandomSampler
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.state.training_state import newest_checkpoint, read_progress
 
-from ..support import small_trec, state_dict_difference, tiny_text_classifier
+from ..support import GROUPED_BY_2, GroupedByLength, small_trec, state_dict_difference, tiny_text_classifier
 
 # fine_tune: AdamW and flair's LinearScheduler with warm-up, counted in steps; shuffled
 SETTINGS: dict[str, Any] = {
@@ -34,7 +32,7 @@ SETTINGS: dict[str, Any] = {
     "create_file_logs": False,
 }
 ON_CPU: dict[str, Any] = {"accelerator": "cpu", "strategy": "ddp_fork"}
-GROUPED: dict[str, Any] = {"group_by_length": True, "group_by_length_window": 2}
+GROUPED = GROUPED_BY_2
 
 
 class _LearningRates(TrainerPlugin):
@@ -54,30 +52,6 @@ class _LearningRates(TrainerPlugin):
     def after_training(self, **kw: Any) -> None:
         if getattr(self.trainer, "is_global_zero", True):
             (self.out / "lr.json").write_text(json.dumps(self.trace))
-
-
-class _GroupedByLength(FlairSampler):
-    """docs/launching.md's group_by_length written out as a sampler for flair's own trainer: the order flair's
-    shuffling draws (torch's RandomSampler), cut into windows of ``window`` batches; each window sorted by length
-    (words; longest first, equal lengths in the drawn order) and cut into batches, its whole batches shuffled by
-    ``torch.randperm`` (a short last batch stays last); then the epoch's batch with the most padded positions moves
-    to the front."""
-
-    def __init__(self, batch_size: int, window: int) -> None:  # (flair's own call Sampler.__init__(None))
-        self.batch_size, self.window = batch_size, window
-
-    def __iter__(self) -> Iterator[int]:
-        order = list(RandomSampler(range(self.num_samples)))
-        lengths = [len(self.data_source[index]) for index in range(self.num_samples)]
-        size, batches = self.batch_size, []
-        for start in range(0, len(order), size * self.window):
-            in_window = sorted(order[start : start + size * self.window], key=lambda index: -lengths[index])
-            cut = [in_window[k : k + size] for k in range(0, len(in_window), size)]
-            whole, short = [each for each in cut if len(each) == size], [each for each in cut if len(each) < size]
-            batches += [whole[position] for position in torch.randperm(len(whole)).tolist()] + short
-        costs = [len(each) * max(lengths[index] for index in each) if len(each) == size else -1 for each in batches]
-        batches.insert(0, batches.pop(costs.index(max(costs))))
-        return iter([index for each in batches for index in each])
 
 
 def _flair_one_process(
@@ -112,7 +86,7 @@ def test_the_same_global_batch_on_one_two_and_four_ranks_trains_flairs_one_proce
     corpus = small_trec(train_size=45)
     flair_runs = {
         False: _flair_one_process(tmp_path / "flair", corpus, batch_size=6),
-        True: _flair_one_process(tmp_path / "flair-grouped", corpus, batch_size=6, sampler=_GroupedByLength(6, 2)),
+        True: _flair_one_process(tmp_path / "flair-grouped", corpus, batch_size=6, sampler=GroupedByLength(6, 2)),
     }
     assert len(flair_runs[False][1]) == 16
     assert state_dict_difference(flair_runs[False][0], flair_runs[True][0]) > 1e-3, "grouping changed the batches"
@@ -121,6 +95,7 @@ def test_the_same_global_batch_on_one_two_and_four_ranks_trains_flairs_one_proce
     runs += [(devices, {**GROUPED, "val_check_interval": 3}) for devices in (1, 2, 4)]
     runs += [
         (2, {**GROUPED, "mini_batch_chunk_size": "auto"}),
+        (2, {**GROUPED, "strategy": "ddp_spawn"}),
         (2, {**GROUPED, "strategy": FlairFSDPStrategy(start_method="fork")}),
     ]
     for number, (devices, options) in enumerate(runs):
@@ -193,7 +168,7 @@ def test_a_resume_that_changes_the_global_batch_is_refused_naming_both_values(tm
         ({"mini_batch_size": None}, r"mini_batch_size=None is not valid"),
         ({"group_by_length": "yes"}, r"group_by_length='yes' is not valid"),
         ({"group_by_length": True, "group_by_length_window": 0}, r"group_by_length_window=0 is not valid"),
-        ({"group_by_length": True, "sampler": _GroupedByLength(6, 2)}, r"group_by_length=True with a sampler"),
+        ({"group_by_length": True, "sampler": GroupedByLength(6, 2)}, r"group_by_length=True with a sampler"),
     ],
 )
 def test_bad_batch_sizes_are_refused_before_anything_starts(
