@@ -24,9 +24,11 @@ _PUBLIC = {
     "FlairFSDPStrategy": "flair_fabric.strategies.fsdp",
     "GlobalZeroPlugin": "flair_fabric.plugins.rank_zero",
     "LightningLoggerPlugin": "flair_fabric.plugins.lightning_loggers",
+    "MLflowTracker": "flair_fabric.plugins.trackers",
     "PredictionSummary": "flair_fabric.prediction.api",
     "evaluate": "flair_fabric.evaluation.api",
     "predict": "flair_fabric.prediction.api",
+    "WandbTracker": "flair_fabric.plugins.trackers",
     "rank_zero_only": "flair_fabric.plugins.rank_zero",
 }
 __all__ = [
@@ -36,7 +38,9 @@ __all__ = [
     "FlairFSDPStrategy",
     "GlobalZeroPlugin",
     "LightningLoggerPlugin",
+    "MLflowTracker",
     "PredictionSummary",
+    "WandbTracker",
     "evaluate",
     "predict",
     "rank_zero_only",
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from flair_fabric.language_model.trainer import FabricLanguageModelTrainer
     from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
     from flair_fabric.plugins.rank_zero import GlobalZeroPlugin, rank_zero_only
+    from flair_fabric.plugins.trackers import MLflowTracker, WandbTracker
     from flair_fabric.prediction.api import PredictionSummary, predict
     from flair_fabric.strategies.ddp import FlairDDPStrategy
     from flair_fabric.strategies.fsdp import FlairFSDPStrategy

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from flair.trainers.plugins import MetricRecord, TrainerPlugin
 from lightning.fabric.loggers import Logger
 
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
+from flair_fabric.plugins.trackers import Tracker
 
 
 def _scalars(record: MetricRecord) -> dict[str, float]:
@@ -36,24 +38,63 @@ class LightningLoggerPlugin(GlobalZeroPlugin):
     """Send every numeric flair metric record (train loss, learning rate, dev/test scores and losses, ...) to
     Lightning loggers, with the record's step (epoch or batch count), on global rank 0 only.
 
-    ``trainer.train(..., plugins=[LightningLoggerPlugin(CSVLogger("logs"))])``. The training parameters are logged
-    as hyperparameters at set-up; the loggers are finalized when training ends.
+    ``trainer.train(..., plugins=[LightningLoggerPlugin(CSVLogger("logs"))])``; experiment trackers as
+    :mod:`~flair_fabric.plugins.trackers` recipes (``MLflowTracker(...)``, ``WandbTracker(...)``): their loggers are
+    made when the first number is logged, continuing the tracker run a resumed checkpoint recorded. The training
+    parameters are logged as hyperparameters; the loggers are finalized when training ends.
     """
 
-    def __init__(self, loggers: Logger | Iterable[Logger]) -> None:
+    def __init__(self, loggers: Logger | Tracker | Iterable[Logger | Tracker]) -> None:
         super().__init__()
-        self.loggers = [loggers] if isinstance(loggers, Logger) else list(loggers)
-        if not self.loggers or not all(isinstance(logger, Logger) for logger in self.loggers):
+        self.items = [loggers] if isinstance(loggers, (Logger, Tracker)) else list(loggers)
+        if not self.items or not all(isinstance(item, (Logger, Tracker)) for item in self.items):
             raise TypeError(
                 "LightningLoggerPlugin(loggers=...) takes a lightning.fabric.loggers.Logger (e.g. CSVLogger(...),"
-                " TensorBoardLogger(...)) or a list of them."
+                " TensorBoardLogger(...)), a tracker (MLflowTracker(...), WandbTracker(...)) or a list of them."
             )
+        self.continued: list[str | None] = [None] * len(self.items)  # tracker runs a resume hands back
+        self._made: list[Logger] | None = None
+        self._hyperparameters: dict[str, Any] | None = None
+
+    def made_loggers(self) -> list[Logger]:
+        """The loggers, made on first use (trackers continue the runs a resume handed back; not a property: flair's
+        ``attach_to`` reads every attribute)."""
+        if self._made is None:
+            self._made = [
+                item.make(run_id) if isinstance(item, Tracker) else item
+                for item, run_id in zip(self.items, self.continued, strict=True)
+            ]
+            if self._hyperparameters is not None and not any(self.continued):  # a continued run keeps its own
+                self._log_hyperparameters(self._hyperparameters)
+        return self._made
+
+    def tracker_runs(self) -> list[str | None]:
+        """Per item, the tracker run its logger logs to (``None`` for a plain logger, or before any logging)."""
+        if self._made is None:
+            return list(self.continued)
+        return [
+            item.run_id(logger) if isinstance(item, Tracker) else None
+            for item, logger in zip(self.items, self._made, strict=True)
+        ]
+
+    def continue_runs(self, runs: list[str | None]) -> None:
+        """A resume: the trackers continue these runs (before anything was logged)."""
+        if self._made is None and len(runs) == len(self.items):
+            self.continued = list(runs)
 
     @TrainerPlugin.hook
     def after_setup(self, **training_parameters: Any) -> None:
-        """Log the training parameters (plain values as they are, others as text), where the logger supports it."""
+        """Log the training parameters (plain values as they are, others as text), where the logger supports it;
+        with trackers, when their loggers are made."""
+        self.base_path = Path(training_parameters["base_path"]) if "base_path" in training_parameters else None
         params = {name: _hyperparameter(value) for name, value in training_parameters.items()}
-        for logger in self.loggers:
+        if any(isinstance(item, Tracker) for item in self.items):
+            self._hyperparameters = params
+        else:
+            self._log_hyperparameters(params)
+
+    def _log_hyperparameters(self, params: dict[str, Any]) -> None:
+        for logger in self.made_loggers():
             with contextlib.suppress(NotImplementedError):  # Fabric's CSVLogger keeps no hyperparameters
                 logger.log_hyperparams(params)
 
@@ -62,14 +103,27 @@ class LightningLoggerPlugin(GlobalZeroPlugin):
         """Forward one flair metric record."""
         metrics = _scalars(record)
         if metrics:
-            for logger in self.loggers:
+            for logger in self.made_loggers():
                 logger.log_metrics(metrics, step=record.global_step)
+
+    @TrainerPlugin.hook
+    def after_training(self, **kw: Any) -> None:
+        """Store the model files flair wrote with the runs of trackers that ask for it."""
+        base_path = getattr(self, "base_path", None)
+        for item, logger in zip(self.items, self.made_loggers(), strict=True):
+            if isinstance(item, Tracker) and item.log_model_files and base_path is not None:
+                for name in ("best-model.pt", "final-model.pt"):
+                    if (base_path / name).is_file():
+                        item.log_file(logger, base_path / name)
 
     @TrainerPlugin.hook
     def _training_finally(self, **kw: Any) -> None:
         """Flush and close the loggers."""
-        for logger in self.loggers:
-            logger.finalize("success")
+        for item, logger in zip(self.items, self.made_loggers(), strict=True):
+            if isinstance(item, Tracker):
+                item.close(logger)
+            else:
+                logger.finalize("success")
 
     def __str__(self) -> str:
-        return f"LightningLoggerPlugin({', '.join(type(logger).__name__ for logger in self.loggers)})"
+        return f"LightningLoggerPlugin({', '.join(type(item).__name__ for item in self.items)})"

@@ -10,11 +10,12 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flair_fabric.distributed.fingerprints import model_fingerprint
+from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
 from flair_fabric.state.run_state import EpochEnd, ResumePoint
 from flair_fabric.state.training_state import (
@@ -95,6 +96,7 @@ class Checkpointing:
         run.position.at("saving the training state", progress.epoch + (1 if progress.step_in_epoch else 0))
         progress.model_fingerprint = model_fingerprint(run.strategy.caller_model(run.trainer.model))
         rank_state = {
+            "tracker_runs": [plugin.tracker_runs() for plugin in _logger_plugins(run.trainer)],
             "epoch_start_rng": progress.epoch_start_generators,
             "loss_sum": float(epoch_loss.loss_sum) if epoch_loss is not None else 0.0,
             "data_points": epoch_loss.data_points if epoch_loss is not None else 0,
@@ -146,6 +148,8 @@ class Checkpointing:
             f"step {saved.step_in_epoch} of epoch {saved.epoch + 1}" if saved.step_in_epoch else f"epoch {saved.epoch}"
         )
         log.info(f"resumed from {folder} after {where} ({saved.batch_count} steps)")
+        for plugin, runs in zip(_logger_plugins(trainer), every_rank[0].get("tracker_runs", []), strict=False):
+            plugin.continue_runs(runs)  # (global rank 0's plugins: the loggers are attached there only)
         point = ResumePoint(saved.step_in_epoch, saved.epoch_position, every_rank, same)
         if not point.step_in_epoch:
             self.after_epoch_is_drawn(point)  # the next epoch draws what it drew
@@ -211,3 +215,8 @@ class Checkpointing:
                     " restart), e.g. `scontrol requeue $SLURM_JOB_ID` in the job script when it sees this code."
                 )
         return REQUEUE_EXIT_CODE
+
+
+def _logger_plugins(trainer: Any) -> list[LightningLoggerPlugin]:
+    """The trainer's ``LightningLoggerPlugin``s, in order (attached on global rank 0 only)."""
+    return [plugin for plugin in trainer.plugins if isinstance(plugin, LightningLoggerPlugin)]
