@@ -26,6 +26,7 @@ from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.strategies import strategy_name
+from flair_fabric.training.grouping import DEFAULT_WINDOW
 from flair_fabric.training.options import TrainingOptions
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
@@ -182,7 +183,7 @@ class TrainArguments:
     """Whether the caller named ``global_batch_size`` (else it is ``mini_batch_size`` times the processes)."""
     group_by_length: bool = False
     """Each epoch's batches grouped by length, in windows of ``group_by_length_window`` global batches."""
-    group_by_length_window: int = 50
+    group_by_length_window: int = DEFAULT_WINDOW
     balance_batches: bool = True
     """Several processes: deal each step's data points to the ranks by length."""
     val_check_interval: int | float | None = None

@@ -48,7 +48,7 @@ class Grouping:
     """``group_by_length`` of a run: the train data points' lengths and the window in global batches."""
 
     lengths: Sequence[int]
-    window: int = DEFAULT_WINDOW
+    window: int
 
     def applied(self, order: Sequence[int], global_batch_size: int, shuffle: bool) -> list[int]:
         """``order`` grouped by length (:func:`grouped_by_length`)."""

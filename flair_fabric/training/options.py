@@ -7,6 +7,8 @@ import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from flair_fabric.training.grouping import DEFAULT_WINDOW
+
 
 def _about(meaning: str, accepted: str, doc: str) -> dict[str, str]:
     """An option's description: its meaning and accepted values (the README's table), its docstring line."""
@@ -44,7 +46,7 @@ class TrainingOptions:
         ),
     )
     group_by_length_window: int = field(
-        default=50,
+        default=DEFAULT_WINDOW,
         metadata=_about(
             "global batches per window of `group_by_length` (as Hugging Face's); larger: less padding, less randomness",
             "int >= 1",

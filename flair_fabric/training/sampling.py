@@ -96,9 +96,9 @@ class EpochBatches:
     """Steps in the whole epoch."""
     first_step: int = 0
     largest_batches: list[int] | None = None
-    """Per step, the largest batch any rank has (several processes)."""
+    """Per step, the largest batch any rank has (several processes, or an order cut here in one process)."""
     step_sizes: list[int] | None = None
-    """Per step, the data points all ranks read (several processes; in one process: the batch's length)."""
+    """Per step, the data points all ranks read (where ``largest_batches`` is; else each batch's length)."""
 
     def after(self, steps: int) -> EpochBatches:
         """These batches numbered as the rest of an epoch whose first ``steps`` steps were trained before."""
