@@ -1,5 +1,5 @@
-"""``python -m flair_fabric predict|evaluate``: a thin command line over ``flair_fabric.predict`` and
-``flair_fabric.evaluate``.
+"""``python -m flair_fabric train|predict|evaluate``: ``train`` runs a YAML config (:mod:`flair_fabric.shell`);
+``predict`` and ``evaluate`` are a thin command line over ``flair_fabric.predict`` and ``flair_fabric.evaluate``.
 
 The options are parsed before torch, flair and Lightning are imported, so ``--help`` and argument errors answer at
 once; the process options come from :class:`~flair_fabric.launch.arguments.LightningArguments`.
@@ -20,9 +20,10 @@ from flair_fabric import __version__
 from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.prediction import INPUT_FORMATS, OUTPUT_FORMATS
 
-DESCRIPTION = """Predict with or evaluate a trained flair model, split across processes.
+DESCRIPTION = """Train a flair model from a config; predict with or evaluate a trained one, split across processes.
 
 examples:
+  python -m flair_fabric train run.yaml --trainer.devices 4     (python -m flair_fabric train --help: every key)
   python -m flair_fabric predict --model out/best-model.pt --input big.conll --input-format conll
          --output big.pred.conll --devices 4 --mini-batch-size 64
   python -m flair_fabric evaluate --model out/best-model.pt --input test.conll --gold-label-type ner --devices 4
@@ -69,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
     )
     main.add_argument("--version", action="version", version=f"flair-fabric {__version__}")
     commands = main.add_subparsers(dest="command", required=True)
+    commands.add_parser("train", help="train from a YAML config (python -m flair_fabric train --help)", add_help=False)
 
     predict = commands.add_parser("predict", help="label a file with a trained model, split across processes")
     predict.add_argument("--model", required=True, help="a model file saved by flair")
@@ -95,7 +97,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
-    args = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["train"]:
+        from flair_fabric.shell.command import main as train
+
+        return train(words[1:])
+    args = parser().parse_args(words)
     if not Path(args.input).is_file():
         raise SystemExit(f"--input {args.input}: no such file.")
     import flair_fabric  # here, after the arguments are known to be usable: torch, flair and Lightning load now

@@ -6,6 +6,7 @@ Both are read from ``flair_fabric/data`` (see ``flair_fabric/data/PROVENANCE.md`
 from __future__ import annotations
 
 import random
+import tempfile
 from pathlib import Path
 
 from flair.data import Corpus, Sentence
@@ -43,18 +44,7 @@ def trec_questions() -> list[tuple[str, str]]:
 
 def trec_corpus(train_size: int | None = None, dev_size: int = 500, test_size: int = 500, seed: int = 42) -> Corpus:
     """TREC question classification (6 coarse classes, label type ``question_class``) with a seeded split."""
-    tokenizer = SpaceTokenizer()
-
-    def dataset(pairs: list[tuple[str, str]]) -> FlairDatapointDataset:
-        sentences = []
-        for label, text in pairs:
-            sentence = Sentence(text, use_tokenizer=tokenizer)
-            sentence.add_label(TREC_LABEL_TYPE, label)
-            sentences.append(sentence)
-        return FlairDatapointDataset(sentences)
-
-    train, dev, test = _split(trec_questions(), (train_size, dev_size, test_size), seed)
-    return Corpus(dataset(train), dataset(dev), dataset(test), name="trec6", sample_missing_splits=False)
+    return TREC(train_size, dev_size, test_size, seed)
 
 
 def wnut16_corpus(
@@ -64,18 +54,55 @@ def wnut16_corpus(
 
     The split files are written to ``data_folder`` and read back by flair's own ``ColumnCorpus``.
     """
-    tweets = [block for block in WNUT16_FILE.read_text(encoding="utf-8").split("\n\n") if block.strip()]
-    train, dev, test = _split(tweets, (train_size, dev_size, test_size), seed)
-    folder = Path(data_folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, blocks in (("train.txt", train), ("dev.txt", dev), ("test.txt", test)):
-        (folder / name).write_text("\n\n".join(block.strip("\n") for block in blocks) + "\n\n", encoding="utf-8")
-    return ColumnCorpus(
-        folder,
-        {0: "text", 1: WNUT16_LABEL_TYPE},
-        train_file="train.txt",
-        dev_file="dev.txt",
-        test_file="test.txt",
-        column_delimiter="\t",
-        sample_missing_splits=False,
-    )
+    return WNUT16(train_size, dev_size, test_size, seed, split_files_to=data_folder)
+
+
+class TREC(Corpus):
+    """TREC question classification (6 coarse classes, label type ``question_class``) with a seeded split: the
+    shipped questions, shuffled with ``seed`` and cut into test, dev, then train (``None``: all the rest)."""
+
+    def __init__(self, train_size: int | None = None, dev_size: int = 500, test_size: int = 500, seed: int = 42):
+        tokenizer = SpaceTokenizer()
+
+        def dataset(pairs: list[tuple[str, str]]) -> FlairDatapointDataset:
+            sentences = []
+            for label, text in pairs:
+                sentence = Sentence(text, use_tokenizer=tokenizer)
+                sentence.add_label(TREC_LABEL_TYPE, label)
+                sentences.append(sentence)
+            return FlairDatapointDataset(sentences)
+
+        train, dev, test = _split(trec_questions(), (train_size, dev_size, test_size), seed)
+        super().__init__(dataset(train), dataset(dev), dataset(test), name="trec6", sample_missing_splits=False)
+
+
+class WNUT16(ColumnCorpus):
+    """WNUT-16 NER (BIO tags, label type ``ner``) as flair's ``ColumnCorpus``, with a seeded split of the shipped
+    tweets (test, dev, then train; ``None``: all the rest). The split is written as CoNLL files that flair reads:
+    into ``split_files_to``, or a temporary folder removed once they are read."""
+
+    def __init__(
+        self,
+        train_size: int | None = None,
+        dev_size: int = 300,
+        test_size: int = 300,
+        seed: int = 42,
+        split_files_to: str | Path | None = None,
+    ):
+        tweets = [block for block in WNUT16_FILE.read_text(encoding="utf-8").split("\n\n") if block.strip()]
+        splits = _split(tweets, (train_size, dev_size, test_size), seed)
+        with tempfile.TemporaryDirectory() as temporary:
+            folder = Path(split_files_to if split_files_to is not None else temporary)
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, blocks in zip(("train.txt", "dev.txt", "test.txt"), splits, strict=True):
+                text = "\n\n".join(block.strip("\n") for block in blocks) + "\n\n"
+                (folder / name).write_text(text, encoding="utf-8")
+            super().__init__(
+                folder,
+                {0: "text", 1: WNUT16_LABEL_TYPE},
+                train_file="train.txt",
+                dev_file="dev.txt",
+                test_file="test.txt",
+                column_delimiter="\t",
+                sample_missing_splits=False,
+            )

@@ -41,11 +41,15 @@ class LightningLoggerPlugin(GlobalZeroPlugin):
     ``trainer.train(..., plugins=[LightningLoggerPlugin(CSVLogger("logs"))])``; experiment trackers as
     :mod:`~flair_fabric.plugins.trackers` recipes (``MLflowTracker(...)``, ``WandbTracker(...)``): their loggers are
     made when the first number is logged, continuing the tracker run a resumed checkpoint recorded. The training
-    parameters are logged as hyperparameters; the loggers are finalized when training ends.
+    parameters (or ``hyperparameters``, as the command line gives the resolved config) are logged as
+    hyperparameters; the loggers are finalized when training ends.
     """
 
-    def __init__(self, loggers: Logger | Tracker | Iterable[Logger | Tracker]) -> None:
+    def __init__(
+        self, loggers: Logger | Tracker | Iterable[Logger | Tracker], hyperparameters: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
+        self.given_hyperparameters = hyperparameters
         self.items = [loggers] if isinstance(loggers, (Logger, Tracker)) else list(loggers)
         if not self.items or not all(isinstance(item, (Logger, Tracker)) for item in self.items):
             raise TypeError(
@@ -87,7 +91,8 @@ class LightningLoggerPlugin(GlobalZeroPlugin):
         """Log the training parameters (plain values as they are, others as text), where the logger supports it;
         with trackers, when their loggers are made."""
         self.base_path = Path(training_parameters["base_path"]) if "base_path" in training_parameters else None
-        params = {name: _hyperparameter(value) for name, value in training_parameters.items()}
+        given = self.given_hyperparameters if self.given_hyperparameters is not None else training_parameters
+        params = {name: _hyperparameter(value) for name, value in given.items()}
         if any(isinstance(item, Tracker) for item in self.items):
             self._hyperparameters = params
         else:

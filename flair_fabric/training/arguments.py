@@ -26,28 +26,14 @@ from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.strategies import strategy_name
-from flair_fabric.training.grouping import DEFAULT_WINDOW
-from flair_fabric.training.options import TrainingOptions
+from flair_fabric.training.options import ANNOTATIONS, DEFAULT_WINDOW, TrainingOptions
 
 _FLAIR_TRAIN_CUSTOM = inspect.signature(ModelTrainer.train_custom)
 
 
-_ANNOTATIONS = {
-    "global_batch_size": "Optional[int]",
-    "devices": "DevicesArgument",
-    "strategy": "StrategyArgument",
-    "precision": "Optional[str]",
-    "collective_timeout": "Union[float, timedelta, None]",
-    "progress_bar": "Optional[bool]",
-    "checkpoint_every_n_steps": "Optional[int]",
-    "checkpoint_every_n_minutes": "Optional[float]",
-    "requeue_signal": "Union[signal.Signals, str, None]",
-    "resume_from": "Union[str, Path, None]",
-    "val_check_interval": "Union[int, float, None]",
-}
 ADDED_PARAMETERS = [
     inspect.Parameter(
-        each.name, inspect.Parameter.KEYWORD_ONLY, default=each.default, annotation=_ANNOTATIONS.get(each.name, "Any")
+        each.name, inspect.Parameter.KEYWORD_ONLY, default=each.default, annotation=ANNOTATIONS.get(each.name, "Any")
     )
     for record in (LightningArguments, TrainingOptions)
     for each in fields(record)

@@ -19,9 +19,6 @@ import torch
 
 from flair_fabric.training.balancing import padded_cost
 
-DEFAULT_WINDOW = 50
-"""Global batches per window, as Hugging Face's ``group_by_length`` (its megabatches of 50 batches)."""
-
 
 def grouped_by_length(
     order: Sequence[int], lengths: Sequence[int], global_batch_size: int, window: int, shuffle: bool

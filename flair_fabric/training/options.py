@@ -7,7 +7,24 @@ import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from flair_fabric.training.grouping import DEFAULT_WINDOW
+DEFAULT_WINDOW = 50
+"""Global batches per window, as Hugging Face's ``group_by_length`` (its megabatches of 50 batches)."""
+
+ANNOTATIONS = {
+    "global_batch_size": "Optional[int]",
+    "devices": "DevicesArgument",
+    "strategy": "StrategyArgument",
+    "precision": "Optional[str]",
+    "collective_timeout": "Union[float, timedelta, None]",
+    "progress_bar": "Optional[bool]",
+    "checkpoint_every_n_steps": "Optional[int]",
+    "checkpoint_every_n_minutes": "Optional[float]",
+    "requeue_signal": "Union[signal.Signals, str, None]",
+    "resume_from": "Union[str, Path, None]",
+    "val_check_interval": "Union[int, float, None]",
+}
+"""The annotations (as text) of the parameters FabricTrainer adds where the field's type does not say it all;
+``Any`` for the others."""
 
 
 def _about(meaning: str, accepted: str, doc: str) -> dict[str, str]:

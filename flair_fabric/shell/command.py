@@ -1,0 +1,92 @@
+"""``python -m flair_fabric train CONFIG [CONFIG ...] [--key value ...]``: check the config, then train.
+
+Everything is checked before any process starts or any data is read: the YAML, the keys and the trainer's values
+(first pass, without torch or flair), a corpus folder that does not exist, then the classes and their arguments
+(second pass), then a resume against the run's ``config.yaml``. The run is what this script would do::
+
+    flair.set_seed(seed); corpus = Corpus(...); embeddings = Embeddings(...)
+    model = Model(embeddings, <dictionary from the corpus>, ...)
+    FabricTrainer(model, corpus).<method>(base_path, ..., plugins=[..., loggers])
+
+It runs unchanged under ``torchrun`` and ``srun``, and with ``trainer.devices: N`` (each process runs the command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, explain, where
+from flair_fabric.shell.options import all_keys, config_argv, make_parser, method_given
+
+FOLDER_SUFFIXES = ("folder", "_dir", "_path")
+
+
+def _parse(parser: Any, argv: Sequence[str], method: str, **kwargs: Any) -> Any:
+    try:
+        return parser.parse_args(list(argv), **kwargs)
+    except argparse.ArgumentError as error:
+        raise explain(str(error), argv, all_keys(method)) from None
+
+
+def check_data_folders(corpus: Any, argv: Sequence[str]) -> None:
+    """Refuse a corpus argument that names a folder (``data_folder``, ``*_dir``, ``*_path``) that does not exist."""
+    init_args = (corpus or {}).get("init_args") or {}
+    for name, value in init_args.items():
+        if name.endswith(FOLDER_SUFFIXES) and isinstance(value, str) and not Path(value).exists():
+            key = f"corpus.init_args.{name}"
+            raise ConfigError(
+                f"{where(key, argv)}: {key}: {value}: no such folder; give the folder that holds the data."
+            )
+
+
+def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
+    """The second-pass parser, the whole config and what the config gives, checked; before any data is read."""
+    argv = config_argv(argv)
+    check_yaml(config_files(argv))
+    method = method_given(argv)
+    first_argv = [each for each in argv if not each.startswith("--print_config")]
+    first = _parse(make_parser(method), first_argv, method)
+    check_data_folders(first.get("corpus"), argv)
+
+    from flair_fabric.shell.components import second_pass_parser  # torch, flair and Lightning load here
+
+    parser = second_pass_parser(method, first)
+    config = _parse(parser, argv, method)
+    given = _parse(parser, argv, method, defaults=False)
+    return parser, config, given
+
+
+def train(argv: Sequence[str]) -> dict:
+    """Check the config, make what it describes and train; returns flair's result."""
+    parser, config, given = checked_config(argv)
+    from flair_fabric import FabricTrainer, LightningLoggerPlugin
+    from flair_fabric.launch.environment import restarted_by_torchrun
+    from flair_fabric.shell.components import make_components
+    from flair_fabric.shell.record import ConfigRecordPlugin, check_resume, flattened
+
+    resolved = parser.dump(config, skip_none=False)
+    if config.trainer.resume_from is not None or restarted_by_torchrun():
+        check_resume(Path(config.trainer.base_path), resolved)
+    made = make_components(parser, config, given)
+    plugins = list(made.trainer_arguments.pop("plugins", None) or [])
+    plugins.append(ConfigRecordPlugin(resolved))
+    if made.loggers:
+        import yaml
+
+        plugins.append(LightningLoggerPlugin(made.loggers, hyperparameters=flattened(yaml.safe_load(resolved))))
+    trainer = FabricTrainer(made.model, made.corpus)
+    return getattr(trainer, made.method)(**made.trainer_arguments, plugins=plugins)
+
+
+def main(argv: Sequence[str]) -> int:
+    """The ``train`` command; a config mistake ends it with the message and exit code 2."""
+    try:
+        train(argv)
+    except ConfigError as error:
+        print(f"python -m flair_fabric train: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,140 @@
+"""The config's second pass: the classes it names, imported and checked with jsonargparse, then made.
+
+The corpus, the embeddings, the loggers and the trainer's class-typed keys (``optimizer``, ``plugins``, ``sampler``)
+are jsonargparse subclass specs (``class_path``/``init_args``), checked against each class's signature before any of
+them is made. The model is checked the same way but made here, with the embeddings and the label dictionary that
+comes from the corpus (:func:`label_dictionary`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flair
+from flair.data import Corpus, Dictionary
+from flair.embeddings import Embeddings
+from flair.trainers import ModelTrainer
+from jsonargparse import ArgumentParser, Namespace
+from jsonargparse._parameter_resolvers import get_signature_parameters
+from jsonargparse.typing import import_object
+from lightning.fabric.loggers import Logger
+
+from flair_fabric.plugins.trackers import Tracker
+from flair_fabric.shell.errors import ConfigError
+from flair_fabric.shell.options import make_parser, trainer_keys
+
+MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary")
+"""The model's arguments that the config does not give: the made embeddings and the corpus's label dictionary."""
+
+LABEL_TYPE_NAMES = ("tag_type", "label_type")
+
+
+def _imported(class_path: Any) -> type | None:
+    try:
+        found = import_object(class_path) if isinstance(class_path, str) else None
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def assumed_parameters(cls: type | None) -> set[str]:
+    """The required parameters jsonargparse assumes a class takes through ``**kwargs`` but its own signature lacks.
+
+    jsonargparse follows ``**kwargs`` up the class hierarchy; flair's transformer embeddings pass theirs to
+    ``transformers`` instead, so the parent's required ``tokenizer``, ``embedding_length``, ... are never given by a
+    user. They are left out of the check (the class itself refuses what it does not take)."""
+    if cls is None:
+        return set()
+    own = inspect.signature(cls).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in own.values()):
+        return set()
+    resolved = get_signature_parameters(cls, None)
+    return {p.name for p in resolved if p.name not in own and p.default is inspect.Parameter.empty}
+
+
+def _subclass(base: type, *, required: bool, skip: set[str], instantiate: bool = True) -> Callable[..., None]:
+    def add(parser: ArgumentParser, key: str) -> None:
+        parser.add_subclass_arguments(base, key, required=required, skip=skip, instantiate=instantiate)
+
+    return add
+
+
+def class_types(method: str, first_pass: Namespace) -> dict[str, Any]:
+    """The types of the class sections and of the trainer's class-typed keys (flair's own annotations)."""
+    embeddings = first_pass.get("embeddings") or {}
+    method_signature = inspect.signature(getattr(ModelTrainer, method)).parameters
+    custom_signature = inspect.signature(ModelTrainer.train_custom).parameters
+    trainer = {}
+    for key in trainer_keys(method):
+        if key.needs_import:
+            parameter = method_signature.get(key.name) or custom_signature[key.name]
+            trainer[key.name] = (parameter.annotation, parameter.default)
+    return {
+        "corpus": _subclass(Corpus, required=True, skip=set()),
+        "embeddings": _subclass(
+            Embeddings, required=False, skip=assumed_parameters(_imported(embeddings.get("class_path")))
+        ),
+        "model": _subclass(flair.nn.Model, required=True, skip=set(MADE_HERE), instantiate=False),
+        "loggers": list[Logger | Tracker],
+        "trainer": trainer,
+    }
+
+
+def second_pass_parser(method: str, first_pass: Namespace) -> ArgumentParser:
+    """The parser that checks the classes too (it imports them)."""
+    return make_parser(method, class_types=class_types(method, first_pass))
+
+
+def label_dictionary(corpus: Corpus, rule: Namespace, model_class: type, model_args: dict[str, Any]) -> Dictionary:
+    """The documented rule: ``corpus.make_label_dictionary`` for ``dictionary.label_type`` (default: the model's
+    ``tag_type`` or ``label_type``), with ``dictionary.min_count``, ``add_unk`` and ``add_dev_test``."""
+    label_type = rule.label_type or next((model_args[n] for n in LABEL_TYPE_NAMES if model_args.get(n)), None)
+    if label_type is None:
+        raise ConfigError(
+            f"dictionary.label_type: {model_class.__name__} takes a label dictionary, but neither dictionary.label_type"
+            " nor the model's tag_type/label_type says which labels to collect; set one of them."
+        )
+    return corpus.make_label_dictionary(
+        label_type, min_count=rule.min_count, add_unk=rule.add_unk, add_dev_test=rule.add_dev_test
+    )
+
+
+def _takes(model_class: type, name: str) -> bool:
+    return any(p.name == name for p in get_signature_parameters(model_class, None))
+
+
+@dataclass
+class Components:
+    """What the config makes: the corpus, the model, and the trainer's keyword arguments (the loggers among the
+    plugins)."""
+
+    corpus: Corpus
+    model: flair.nn.Model
+    method: str
+    trainer_arguments: dict[str, Any]
+    loggers: list[Logger | Tracker]
+
+
+def make_components(parser: ArgumentParser, config: Namespace, given: Namespace) -> Components:
+    """Seed, then make the corpus, the embeddings, the loggers and the plugins, then the model (this reads the data).
+
+    ``config`` is the whole parsed config; ``given`` holds only what the config gives (``defaults=False``): the
+    classes and the trainer get exactly those arguments, as in a script, so flair's own defaults apply."""
+    if config.seed is not None:
+        flair.set_seed(config.seed)
+    made = parser.instantiate_classes(given)
+    model_class = import_object(config.model.class_path)
+    model_args = dict(made.model.init_args.as_dict() if made.model.get("init_args") else {})
+    if made.get("embeddings") is not None and _takes(model_class, "embeddings"):
+        model_args["embeddings"] = made.embeddings
+    for name in ("tag_dictionary", "label_dictionary"):
+        if _takes(model_class, name):
+            model_args[name] = label_dictionary(made.corpus, config.dictionary, model_class, model_args)
+    model = model_class(**model_args)
+    trainer = made.trainer.as_dict() if made.get("trainer") else {}
+    trainer.pop("method", None)
+    trainer.update(trainer.pop("optimizer_kwargs", None) or {})
+    return Components(made.corpus, model, config.trainer.method, trainer, list(made.get("loggers") or []))
