@@ -5,9 +5,8 @@
 :class:`~flair_fabric.launch.arguments.LightningArguments` and :class:`~flair_fabric.training.arguments.
 TrainingOptions`). ``train_custom`` binds them into frozen records, checks everything before any process starts and
 hands one :class:`~flair_fabric.training.job.TrainingJob` to the job runner (:func:`~flair_fabric.launch.runner.
-run_job`); on each rank a :class:`~flair_fabric.training.run.TrainingRun` runs flair's loop. This class keeps flair's
-signatures, the rank properties plugins read, and flair's override points.
-"""
+run_job`); on each rank a :class:`~flair_fabric.training.run.TrainingRun` runs flair's loop. This class keeps
+flair's signatures, the rank properties plugins read, and flair's override points."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class FabricTrainer(ModelTrainer):
     Use it exactly like ``ModelTrainer``; ``train``, ``fine_tune`` and ``train_custom`` also take Lightning's
     arguments (``accelerator``, ``devices``, ``num_nodes``, ``strategy``, ``precision``, ``collective_timeout``) and
     flair-fabric's (checkpoints and resume, ``balance_batches``, ``val_check_interval``, ...; the README's table lists
-    them all). ``devices=2`` in an ordinary script is enough:
-    the script is relaunched once per extra device by Fabric, or left alone when ``torchrun`` started it.
+    them all). ``devices=2`` in a script is enough: Fabric relaunches it per extra device (not under ``torchrun``).
     """
 
     def __init__(self, model: flair.nn.Model, corpus: Corpus) -> None:
@@ -89,6 +87,11 @@ class FabricTrainer(ModelTrainer):
     def steps_per_epoch(self) -> int:
         """Optimizer steps each rank runs per epoch (0 outside a run)."""
         return self._run.steps_per_epoch if self._run is not None else 0
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the run so far, a resumed run's earlier ones included (0 outside a run)."""
+        return self._run.progress.batch_count if self._run is not None else 0
 
     def save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
         """Write the model being trained once, from global rank 0 (a sharded model is consolidated first)."""

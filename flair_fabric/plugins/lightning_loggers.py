@@ -36,7 +36,9 @@ def _hyperparameter(value: Any) -> Any:
 
 class LightningLoggerPlugin(GlobalZeroPlugin):
     """Send every numeric flair metric record (train loss, learning rate, dev/test scores and losses, ...) to
-    Lightning loggers, with the record's step (epoch or batch count), on global rank 0 only.
+    Lightning loggers on global rank 0 only, at the optimizer step it belongs to (the run's steps so far: an epoch's
+    metrics at its last step, an evaluation of ``val_check_interval`` at its step), so that trackers with one step
+    axis (W&B) hold them all in order; under flair's own trainer at the record's step.
 
     ``trainer.train(..., plugins=[LightningLoggerPlugin(CSVLogger("logs"))])``; experiment trackers as
     :mod:`~flair_fabric.plugins.trackers` recipes (``MLflowTracker(...)``, ``WandbTracker(...)``): their loggers are
@@ -107,9 +109,10 @@ class LightningLoggerPlugin(GlobalZeroPlugin):
     def metric_recorded(self, record: MetricRecord) -> None:
         """Forward one flair metric record."""
         metrics = _scalars(record)
+        steps = getattr(self.trainer, "optimizer_steps", None)  # FabricTrainer's; flair's trainer has none
         if metrics:
             for logger in self.made_loggers():
-                logger.log_metrics(metrics, step=record.global_step)
+                logger.log_metrics(metrics, step=steps if steps is not None else record.global_step)
 
     @TrainerPlugin.hook
     def after_training(self, **kw: Any) -> None:

@@ -48,6 +48,8 @@ def _docs(docstring: str) -> dict[str, str]:
         if text and head.split(" ")[0].isidentifier() and line.startswith(" " * 4) and not line.startswith(" " * 5):
             name = head.split(" ")[0]
             docs[name] = text.strip()
+        elif stripped.startswith("*"):
+            name = None  # **kwargs: not a key
         elif name and stripped and not stripped.endswith(":"):
             docs[name] += " " + stripped
         elif not stripped:
