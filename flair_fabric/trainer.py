@@ -1,8 +1,7 @@
 """``FabricTrainer``: flair's ``ModelTrainer`` with its training loop run by Lightning Fabric.
 
-``train``, ``fine_tune`` and ``train_custom`` take flair's arguments unchanged plus Lightning's and flair-fabric's
-(:data:`~flair_fabric.training.arguments.ADDED_PARAMETERS`, declared once in
-:class:`~flair_fabric.launch.arguments.LightningArguments` and :class:`~flair_fabric.training.arguments.
+``train``, ``fine_tune`` and ``train_custom`` take flair's arguments plus Lightning's and flair-fabric's (declared
+once in :class:`~flair_fabric.launch.arguments.LightningArguments` and :class:`~flair_fabric.training.options.
 TrainingOptions`). ``train_custom`` binds them into frozen records, checks everything before any process starts and
 hands one :class:`~flair_fabric.training.job.TrainingJob` to the job runner (:func:`~flair_fabric.launch.runner.
 run_job`); on each rank a :class:`~flair_fabric.training.run.TrainingRun` runs flair's loop. This class keeps
@@ -59,8 +58,8 @@ class FabricTrainer(ModelTrainer):
 
     @property
     def fabric(self) -> Fabric | None:
-        """The run's Fabric (collectives for plugins); after a run, its last one; ``None`` before any run in this
-        process (and in the caller of spawned or forked workers, which is no rank)."""
+        """The run's Fabric (collectives for plugins), the last run's after it; ``None`` before any run (or in a caller
+        of spawned or forked workers, which is no rank)."""
         return self._fabric
 
     @property

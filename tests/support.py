@@ -320,10 +320,15 @@ def run_script(
 ) -> str:
     """Run ``tests/scripts/<script>`` in a fresh interpreter (the way a user runs a training script); its output.
     A non-zero exit raises :class:`RunCrashed`, a run past ``timeout`` :class:`RunHung`."""
+    command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
+    return run_command(command, script, timeout, extra_env)
+
+
+def run_command(command: list[str], script: str, timeout: int = 240, extra_env: dict[str, str] | None = None) -> str:
+    """Run ``command`` from the repository (offline, this checkout importable); its output, as :func:`run_script`."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.update(extra_env or {})
     env.pop("LOCAL_RANK", None)
-    command = [*(launcher or [sys.executable]), str(SCRIPTS / script), *args]
     try:
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired as stuck:  # a hang ends the test (rather than the test timeout ending it)

@@ -36,6 +36,10 @@ def changed_keys(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [key for key in keys if old.get(key, "<absent>") != new.get(key, "<absent>")]
 
 
+def _shown(config: dict[str, Any], key: str) -> str:
+    return repr(config[key]) if key in config else "<absent>"
+
+
 def check_resume(base_path: Path, resolved: str) -> None:
     """Refuse a resume whose config differs from the one the run started with, naming the keys that changed."""
     file = base_path / CONFIG_FILE
@@ -46,7 +50,7 @@ def check_resume(base_path: Path, resolved: str) -> None:
     changed = [key for key in changed_keys(before, now) if key not in MAY_CHANGE_ON_RESUME]
     if changed:
         old, new = flattened(before), flattened(now)
-        listed = ", ".join(f"{key} ({old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r})" for key in changed)
+        listed = ", ".join(f"{key} ({_shown(old, key)} -> {_shown(new, key)})" for key in changed)
         raise ConfigError(
             f"trainer.resume_from: the run in {base_path} was started from another config ({file}); changed: {listed}."
             f" Undo the changes to continue the run, or give a new trainer.base_path to start another one (a resume"

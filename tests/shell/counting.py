@@ -1,0 +1,15 @@
+"""A corpus class for configs in tests: it counts how often it was made (a check must read no data)."""
+
+from __future__ import annotations
+
+from flair_fabric.datasets import TREC
+
+
+class CountingCorpus(TREC):
+    """flair-fabric's TREC corpus; ``CountingCorpus.made`` counts the instances made in this process."""
+
+    made = 0
+
+    def __init__(self, train_size: int | None = None, dev_size: int = 500, test_size: int = 500, seed: int = 42):
+        type(self).made += 1
+        super().__init__(train_size, dev_size, test_size, seed)

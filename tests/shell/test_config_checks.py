@@ -1,0 +1,171 @@
+"""``python -m flair_fabric train``: the config's checks, before any process starts or any data is read; the help,
+overrides, composition, ``--print_config``, the dictionary rule and the resume rule. Nothing here trains."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from flair_fabric import FabricTrainer
+from flair_fabric.shell.command import checked_config
+from flair_fabric.shell.errors import ConfigError
+from flair_fabric.shell.record import check_resume
+
+from ..support import REPO
+
+CONFIG = """\
+seed: 3
+corpus:
+  class_path: tests.shell.counting.CountingCorpus
+  init_args:
+    train_size: 24
+    dev_size: 8
+    test_size: 8
+model:
+  class_path: flair.models.TextClassifier
+  init_args:
+    label_type: question_class
+embeddings:
+  class_path: flair.embeddings.TransformerDocumentEmbeddings
+  init_args:
+    model: unused-here
+trainer:
+  method: fine_tune
+  base_path: out
+  max_epochs: 2
+  mini_batch_size: 4
+"""
+
+
+def _write(folder: Path, text: str, name: str = "run.yaml") -> Path:
+    file = folder / name
+    file.write_text(text, encoding="utf-8")
+    return file
+
+
+def _refusal(argv: list[str]) -> str:
+    from tests.shell.counting import CountingCorpus
+
+    made = CountingCorpus.made
+    with pytest.raises(ConfigError) as refused:
+        checked_config(argv)
+    assert CountingCorpus.made == made, "refused before any data is read"
+    return str(refused.value)
+
+
+def _line_of(file: Path, text: str) -> int:
+    return next(number for number, line in enumerate(file.read_text().splitlines(), 1) if text in line)
+
+
+def test_overrides_and_later_files_win_and_the_trainer_gets_flairs_defaults_for_its_method(tmp_path: Path) -> None:
+    first = _write(tmp_path, CONFIG)
+    second = _write(tmp_path, "trainer:\n  learning_rate: 0.25\n  max_epochs: 5\n", "more.yaml")
+    _, config, given = checked_config([str(first), str(second), "--trainer.max_epochs", "7"])
+    assert config.trainer.learning_rate == 0.25 and config.trainer.max_epochs == 7
+    assert config.trainer.mini_batch_size == 4, "a later file changes only the keys it gives"
+    assert config.corpus.init_args.train_size == 24
+    fine_tune = inspect.signature(FabricTrainer.fine_tune).parameters  # the independent reference: the signature
+    assert config.trainer.eval_batch_size == fine_tune["eval_batch_size"].default
+    assert config.trainer.use_final_model_for_eval is fine_tune["use_final_model_for_eval"].default
+    assert config.trainer.optimizer is fine_tune["optimizer"].default
+    assert dict(given.trainer).keys() == {"method", "base_path", "max_epochs", "mini_batch_size", "learning_rate"}
+    _, config, _ = checked_config([str(first), "--corpus.init_args.train_size", "12", "--trainer.method", "train"])
+    assert config.corpus.init_args.train_size == 12
+    assert config.trainer.learning_rate == inspect.signature(FabricTrainer.train).parameters["learning_rate"].default
+
+
+def test_help_lists_every_key_of_the_trainers_signature_without_importing_torch_or_flair() -> None:
+    code = (
+        "import sys\nfrom flair_fabric.cli import main\ntry:\n    main(['train', '--trainer.method', 'fine_tune',"
+        " '--help'])\nexcept SystemExit:\n    pass\nprint('IMPORTED', 'torch' in sys.modules, 'flair' in sys.modules)"
+    )
+    output = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60, check=True
+    ).stdout
+    assert "IMPORTED False False" in output
+    text = " ".join(output.split())
+    for name, parameter in inspect.signature(FabricTrainer.fine_tune).parameters.items():
+        if name == "self" or parameter.kind == parameter.VAR_KEYWORD:
+            continue
+        assert f"--trainer.{name} " in text, name
+        default = parameter.default
+        if isinstance(default, bool | int | float) and name != "base_path":
+            shown = default.name if isinstance(default, enum.Enum) else default
+            assert f"default: {shown})" in text.split(f"--trainer.{name} ", 2)[-1].split("--trainer.")[0], name
+    for key in ("--corpus ", "--embeddings ", "--model ", "--loggers ", "--dictionary.add_unk", "--seed "):
+        assert key in text
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "says"),
+    [
+        (("max_epochs: 2", "max_epoch: 2"), "trainer.max_epoch", "did you mean 'trainer.max_epochs'"),
+        (("model:", "modle:"), "modle", "did you mean 'model'"),
+        (("max_epochs: 2", "max_epochs: two"), "trainer.max_epochs", "int"),
+        (("flair.models.TextClassifier", "flair.models.TextClassifer"), "model.class_path", "TextClassifer"),
+        (("model: unused-here", "modell: unused-here"), "embeddings.init_args.modell", "not accepted"),
+        (("train_size: 24", "train_size: many"), "corpus.init_args.train_size", "int"),
+    ],
+)
+def test_a_wrong_key_or_value_is_refused_naming_the_key_and_its_file_line(
+    tmp_path: Path, change: tuple[str, str], key: str, says: str
+) -> None:
+    file = _write(tmp_path, CONFIG.replace(*change))
+    message = _refusal([str(file)])
+    assert f"{file}:{_line_of(file, change[1])}: {key}:" in message and says in message
+
+
+def test_an_unknown_override_suggests_the_closest_key_and_a_yaml_mistake_names_its_line(tmp_path: Path) -> None:
+    file = _write(tmp_path, CONFIG)
+    message = _refusal([str(file), "--trainer.learnig_rate", "0.1"])
+    assert "command line: trainer.learnig_rate: unknown key; did you mean 'trainer.learning_rate'?" in message
+    broken = _write(tmp_path, CONFIG.replace("max_epochs: 2", "max_epochs: [2"), "broken.yaml")
+    message = _refusal([str(broken)])
+    assert message.startswith(f"{broken}:{_line_of(broken, 'max_epochs: [2')}: YAML syntax error")
+
+
+def test_a_missing_data_folder_is_refused_before_flair_is_imported(tmp_path: Path) -> None:
+    text = CONFIG.replace("tests.shell.counting.CountingCorpus", "flair.datasets.ColumnCorpus")
+    text = text.replace("train_size: 24", f"data_folder: {tmp_path / 'nowhere'}")
+    file = _write(tmp_path, text)
+    code = (
+        "import sys\nfrom flair_fabric.cli import main\ncode = main(['train', sys.argv[1]])\n"
+        "print('IMPORTED', code, 'flair' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(file)], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert "IMPORTED 2 False" in done.stdout
+    assert f"{file}:{_line_of(file, 'data_folder')}: corpus.init_args.data_folder:" in done.stderr
+    assert "no such folder" in done.stderr
+
+
+def test_print_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    file = _write(tmp_path, CONFIG)
+    with pytest.raises(SystemExit) as ended:
+        checked_config([str(file), "--trainer.max_epochs", "9", "--print_config"])
+    assert ended.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_epochs"] == 9 and printed["trainer"]["learning_rate"] == 5e-05
+    assert printed["corpus"]["init_args"]["dev_size"] == 8 and printed["model"]["class_path"].endswith("TextClassifier")
+
+
+def _resolved(**trainer: Any) -> str:
+    config = {"corpus": {"class_path": "x"}, "trainer": {"base_path": "out", "learning_rate": 0.1, **trainer}}
+    return yaml.safe_dump(config)
+
+
+def test_a_resume_may_change_the_epochs_and_devices_but_not_the_run(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text(_resolved(max_epochs=2, devices=2, resume_from=None))
+    check_resume(tmp_path, _resolved(max_epochs=5, devices=1, resume_from="auto"))
+    with pytest.raises(ConfigError) as refused:
+        check_resume(tmp_path, _resolved(max_epochs=5, devices=2, resume_from="auto", learning_rate=0.2))
+    assert "trainer.learning_rate (0.1 -> 0.2)" in str(refused.value) and "max_epochs (" not in str(refused.value)
+    with pytest.raises(ConfigError) as refused:
+        check_resume(tmp_path, _resolved(max_epochs=2, devices=2, resume_from="auto", mini_batch_size=8))
+    assert "trainer.mini_batch_size (<absent> -> 8)" in str(refused.value)

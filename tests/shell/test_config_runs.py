@@ -1,0 +1,155 @@
+"""``python -m flair_fabric train``: the example configs train; a config run is the equivalent Python script's run
+(one process and two ranks started by the command's own relaunch); the resolved config goes to ``config.yaml`` and
+to the tracker as its hyperparameters; a resume continues only the same config."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import flair
+import pytest
+import torch
+import yaml
+from flair.embeddings import TransformerDocumentEmbeddings
+from flair.models import SequenceTagger, TextClassifier
+
+from flair_fabric import FabricTrainer
+from flair_fabric.datasets import TREC, TREC_LABEL_TYPE, WNUT16
+from flair_fabric.shell.command import train
+from flair_fabric.shell.errors import ConfigError
+
+from ..support import REPO, make_tiny_bert, run_command
+
+pytestmark = pytest.mark.multiprocess
+EXAMPLES = REPO / "examples" / "configs"
+SIZES = {"train_size": 24, "dev_size": 8, "test_size": 8}
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_bert(tmp_path_factory.mktemp("bert"), TREC(**SIZES))
+
+
+def _small(config: str, bert: Path, base_path: Path, *more: str) -> list[str]:
+    """An example config made tiny by overrides: the tiny BERT, a few sentences, one CPU process, no CSV logger."""
+    sizes = [f"--corpus.init_args.{name}={value}" for name, value in SIZES.items()]
+    return [
+        str(EXAMPLES / config),
+        *sizes,
+        f"--embeddings.init_args.model={bert}",
+        f"--trainer.base_path={base_path}",
+        "--trainer.devices=1",
+        "--loggers=[]",
+        *more,
+    ]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return torch.load(folder / "final-model.pt", map_location="cpu", weights_only=False)["state_dict"]
+
+
+def _script(bert: Path, base_path: Path) -> None:
+    """What examples/configs/trec.yaml (made tiny, 2 epochs, global batch 8) says, written as a script."""
+    flair.set_seed(42)
+    corpus = TREC(**SIZES)
+    embeddings = TransformerDocumentEmbeddings(str(bert), fine_tune=True)
+    labels = corpus.make_label_dictionary(TREC_LABEL_TYPE, add_unk=False)
+    model = TextClassifier(embeddings, label_type=TREC_LABEL_TYPE, label_dictionary=labels)
+    FabricTrainer(model, corpus).fine_tune(
+        base_path,
+        learning_rate=1e-4,
+        global_batch_size=8,
+        max_epochs=2,
+        group_by_length=True,
+        accelerator="cpu",
+        devices=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The script; the config in this process; the config on 2 ranks with an MLflow tracker from a second file."""
+    out = tmp_path_factory.mktemp("config_runs")
+    _script(tiny_bert, out / "script")
+    common = ["--trainer.global_batch_size=8", "--trainer.max_epochs=2"]
+    train(_small("trec.yaml", tiny_bert, out / "config", *common))
+    tracker = out / "tracker.yaml"
+    uri = f"file:{out / 'mlruns'}"
+    tracker.write_text(
+        yaml.safe_dump({"loggers": [{"class_path": "flair_fabric.MLflowTracker", "init_args": {"tracking_uri": uri}}]})
+    )
+    argv = _small("trec.yaml", tiny_bert, out / "ranks", *common, "--trainer.devices=2")
+    argv.remove("--loggers=[]")
+    argv.insert(1, str(tracker))  # composed: the second file's loggers replace the first's
+    run_command(
+        [sys.executable, "-m", "flair_fabric", "train", *argv],
+        "python -m flair_fabric train",
+        extra_env={"MLFLOW_ALLOW_FILE_STORE": "true"},
+    )
+    return out
+
+
+def test_a_config_run_trains_the_weights_of_the_equivalent_script(runs: Path) -> None:
+    script = _weights(runs / "script")
+    in_process = _weights(runs / "config")
+    assert script.keys() == in_process.keys()
+    for name, value in script.items():
+        assert torch.equal(value, in_process[name]), name
+    two_ranks = _weights(runs / "ranks")
+    for name, value in script.items():
+        torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def _loss_column(folder: Path, column: str) -> list[float]:
+    rows = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
+    return [float(row[rows[0].index(column)]) for row in rows[1:]]
+
+
+def test_the_two_rank_config_run_writes_its_config_once_and_one_tracker_run_with_it(
+    runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store (kept for tests: no database)
+
+    written = yaml.safe_load((runs / "ranks" / "config.yaml").read_text())
+    assert written["trainer"]["devices"] == 2 and written["trainer"]["global_batch_size"] == 8
+    assert written["corpus"]["init_args"]["train_size"] == 24 and written["trainer"]["method"] == "fine_tune"
+    assert not list((runs / "ranks").glob(".config.yaml.*")), "written whole, by one process"
+    client = MlflowClient(tracking_uri=f"file:{runs / 'mlruns'}")
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(found) == 1, "one tracker run for the job, none per rank"
+    params = found[0].data.params
+    assert params["trainer.learning_rate"] == "0.0001" and params["trainer.devices"] == "2"
+    assert params["model.class_path"] == "flair.models.TextClassifier", "the resolved config is the hyperparameters"
+    losses = client.get_metric_history(found[0].info.run_id, "train/loss")
+    assert [metric.step for metric in losses] == [3, 6], "each epoch's loss at its last step (24 questions / 8)"
+    assert [metric.value for metric in losses] == pytest.approx(_loss_column(runs / "ranks", "TRAIN_LOSS"), abs=1e-4)
+
+
+def test_the_ner_example_trains_a_tagger_with_the_corpus_tag_dictionary(tiny_bert: Path, tmp_path: Path) -> None:
+    # 24 tweets miss entity types of the dev split: the dictionary collects the dev and test labels too
+    more = ["--trainer.max_epochs=1", "--trainer.global_batch_size=8", "--dictionary.add_dev_test=true"]
+    train(_small("wnut16.yaml", tiny_bert, tmp_path, *more))
+    tagger = SequenceTagger.load(tmp_path / "final-model.pt")
+    reference = WNUT16(**SIZES).make_label_dictionary("ner", add_unk=False, add_dev_test=True)
+    spans = {item.split("-", 1)[-1] for item in tagger.label_dictionary.get_items() if item != "O"}
+    assert spans == set(reference.get_items()) and tagger.tag_type == "ner"
+    assert "<unk>" not in tagger.label_dictionary.get_items(), "dictionary.add_unk: false"
+    assert len(_loss_column(tmp_path, "TRAIN_LOSS")) == 1
+
+
+def test_a_resume_continues_the_same_config_and_refuses_a_changed_one(tiny_bert: Path, tmp_path: Path) -> None:
+    once = ["--trainer.max_epochs=1", "--trainer.checkpoint_every_n_epochs=1", "--trainer.global_batch_size=8"]
+    train(_small("trec.yaml", tiny_bert, tmp_path, *once))
+    changed = [*once, "--trainer.resume_from=auto", "--trainer.learning_rate=0.5"]
+    with pytest.raises(ConfigError) as refused:
+        train(_small("trec.yaml", tiny_bert, tmp_path, *changed))
+    assert "trainer.learning_rate (0.0001 -> 0.5)" in str(refused.value)
+    more: Any = [*once, "--trainer.resume_from=auto"]
+    more[0] = "--trainer.max_epochs=2"
+    train(_small("trec.yaml", tiny_bert, tmp_path, *more))
+    assert len(_loss_column(tmp_path, "TRAIN_LOSS")) == 2, "the resumed run added its second epoch"
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_epochs"] == 2
