@@ -159,6 +159,8 @@ def test_lightning_logger_bridge_writes_what_the_loss_file_writes(logged_run: tu
     header, *lines = [line.split("\t") for line in (run_dir / "loss.tsv").read_text().splitlines()]
     _, rank0, _, _ = logged_run
     steps_per_epoch = len(rank0["lr_trace"]) // EPOCHS
+    logged_steps = [int(row["step"]) for row in rows]
+    assert logged_steps == sorted(logged_steps), "one step axis (the optimizer steps), never going back"
     compared = 0
     for line in lines:
         epoch = int(line[0])  # an epoch's metrics are logged at its last optimizer step

@@ -12,6 +12,7 @@ import pytest
 from flair_fabric import FabricTrainer, LightningLoggerPlugin, MLflowTracker, WandbTracker
 
 from ..support import small_trec, tiny_text_classifier
+from .wandb_log import history
 
 pytestmark = pytest.mark.multiprocess
 RUN: dict[str, Any] = {
@@ -67,9 +68,14 @@ def test_wandb_offline_gets_one_run_per_job_and_a_resume_continues_it(tmp_path: 
     _train(tmp_path / "run", tracker, max_epochs=2)
     first = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(first) == 1, "one tracker run per job, none per rank"
-    # wandb 0.31 keeps an offline run only in its binary log (no Python reader left): its keys are in there as text
-    logged = next(first[0].glob("run-*.wandb")).read_bytes()
-    assert b"train/loss" in logged and b"dev/accuracy" in logged and b"trainer/global_step" in logged
+    rows = history(first[0])
+    steps = [row["trainer/global_step"] for row in rows]
+    assert steps == sorted(steps), "one step axis, never going back (W&B drops rows logged at an earlier step)"
+    losses = [(row["trainer/global_step"], row["train/loss"]) for row in rows if "train/loss" in row]
+    assert [step for step, _ in losses] == [3, 6], "each epoch's loss at its last optimizer step (24 questions / 8)"
+    assert [loss for _, loss in losses] == pytest.approx(_loss_column(tmp_path / "run", "TRAIN_LOSS"), abs=1e-4)
+    scores = [row["dev/accuracy"] for row in rows if "dev/accuracy" in row]
+    assert scores == pytest.approx(_loss_column(tmp_path / "run", "DEV_ACCURACY"), abs=1e-4)
     _train(tmp_path / "run", tracker, max_epochs=3, resume_from="auto")
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and {path.name.rsplit("-", 1)[1] for path in runs} == {first[0].name.rsplit("-", 1)[1]}
