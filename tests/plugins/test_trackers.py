@@ -94,3 +94,14 @@ def test_a_missing_tracker_package_names_the_extra(monkeypatch) -> None:
     monkeypatch.setattr(builtins, "__import__", without_mlflow)
     with pytest.raises(ImportError, match=r"pip install 'flair-fabric\[mlflow\]'"):
         MLflowTracker().make(None)
+
+
+def test_flairs_own_wandb_logger_cannot_be_attached_to_flairs_trainer(tmp_path: Path) -> None:
+    """docs/fixed-in-flair.md: the defect WandbTracker replaces (if flair fixes it, this test says so)."""
+    import wandb
+    from flair.trainers import ModelTrainer
+    from flair.trainers.plugins.loggers.wandb import WandbLogger
+
+    corpus = small_trec(train_size=8)
+    with pytest.raises(RuntimeError, match="after_training_setup"):
+        ModelTrainer(tiny_text_classifier(corpus), corpus).train(tmp_path, max_epochs=1, plugins=[WandbLogger(wandb)])

@@ -169,3 +169,21 @@ def test_a_resume_may_change_the_epochs_and_devices_but_not_the_run(tmp_path: Pa
     with pytest.raises(ConfigError) as refused:
         check_resume(tmp_path, _resolved(max_epochs=2, devices=2, resume_from="auto", mini_batch_size=8))
     assert "trainer.mini_batch_size (<absent> -> 8)" in str(refused.value)
+
+
+def test_the_readmes_config_and_the_examples_pass_the_checks(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text().split("## From the shell", 1)[1]
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    _, config, _ = checked_config([str(_write(tmp_path, block))])
+    assert config.trainer.global_batch_size == 32 and config.loggers[0].class_path == "flair_fabric.MLflowTracker"
+    for example in sorted((REPO / "examples" / "configs").glob("*.yaml")):
+        _, config, _ = checked_config([str(example)])
+        assert config.trainer.method == "fine_tune" and config.trainer.devices == 2, example.name
+
+
+def test_a_later_file_replaces_a_list_whole(tmp_path: Path) -> None:
+    csv = "loggers:\n  - class_path: lightning.fabric.loggers.CSVLogger\n    init_args: {root_dir: a}\n"
+    tensorboard = "loggers:\n  - class_path: lightning.fabric.loggers.TensorBoardLogger\n    init_args: {root_dir: b}\n"
+    files = [_write(tmp_path, CONFIG + csv), _write(tmp_path, tensorboard, "more.yaml")]
+    _, config, _ = checked_config([str(file) for file in files])
+    assert [logger.class_path for logger in config.loggers] == ["lightning.fabric.loggers.TensorBoardLogger"]
