@@ -16,7 +16,7 @@ import yaml
 from flair_fabric import FabricTrainer
 from flair_fabric.shell.command import checked_config
 from flair_fabric.shell.errors import ConfigError
-from flair_fabric.shell.record import check_resume
+from flair_fabric.shell.record import check_resume, flattened
 
 from ..support import REPO
 
@@ -150,9 +150,11 @@ def test_print_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.
     with pytest.raises(SystemExit) as ended:
         checked_config([str(file), "--trainer.max_epochs", "9", "--print_config"])
     assert ended.value.code in (0, None)
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["trainer"]["max_epochs"] == 9 and printed["trainer"]["learning_rate"] == 5e-05
-    assert printed["corpus"]["init_args"]["dev_size"] == 8 and printed["model"]["class_path"].endswith("TextClassifier")
+    printed = flattened(yaml.safe_load(capsys.readouterr().out))
+    assert printed.get("trainer.max_epochs") == 9, "the override"
+    assert printed.get("trainer.learning_rate") == 5e-05 and printed.get("trainer.eval_batch_size") == 16, "defaults"
+    assert printed.get("corpus.init_args.dev_size") == 8
+    assert printed.get("model.class_path") == "flair.models.TextClassifier"
 
 
 def _resolved(**trainer: Any) -> str:
@@ -162,7 +164,10 @@ def _resolved(**trainer: Any) -> str:
 
 def test_a_resume_may_change_the_epochs_and_devices_but_not_the_run(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text(_resolved(max_epochs=2, devices=2, resume_from=None))
-    check_resume(tmp_path, _resolved(max_epochs=5, devices=1, resume_from="auto"))
+    try:
+        check_resume(tmp_path, _resolved(max_epochs=5, devices=1, resume_from="auto"))
+    except ConfigError as refused:
+        pytest.fail(f"a resume with more epochs on fewer devices was refused: {refused}")
     with pytest.raises(ConfigError) as refused:
         check_resume(tmp_path, _resolved(max_epochs=5, devices=2, resume_from="auto", learning_rate=0.2))
     assert "trainer.learning_rate (0.1 -> 0.2)" in str(refused.value) and "max_epochs (" not in str(refused.value)
