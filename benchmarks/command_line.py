@@ -65,7 +65,7 @@ def timed(command: list[str], expect_code: int, expect_text: str) -> float:
     seconds = time.perf_counter() - start
     output = done.stdout + done.stderr
     if done.returncode != expect_code or expect_text not in output:
-        raise SystemExit(f"{command}: exit code {done.returncode}, expected {expect_code} and {expect_text!r}:\n{output}")
+        raise SystemExit(f"{command}: exit {done.returncode}, expected {expect_code} and {expect_text!r}:\n{output}")
     return seconds
 
 
