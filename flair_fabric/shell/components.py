@@ -18,7 +18,6 @@ from flair.data import Corpus, Dictionary
 from flair.embeddings import Embeddings
 from flair.trainers import ModelTrainer
 from jsonargparse import ArgumentParser, Namespace
-from jsonargparse._parameter_resolvers import get_signature_parameters
 from jsonargparse.typing import import_object
 from lightning.fabric.loggers import Logger
 
@@ -40,19 +39,31 @@ def _imported(class_path: Any) -> type | None:
     return found if inspect.isclass(found) else None
 
 
-def assumed_parameters(cls: type | None) -> set[str]:
-    """The required parameters jsonargparse assumes a class takes through ``**kwargs`` but its own signature lacks.
+def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The named parameters of ``cls`` and, where it takes ``**kwargs``, of the ``__init__`` of its ancestors (what
+    the ``**kwargs`` may reach), the class's own first."""
+    parameters = {name: p for name, p in inspect.signature(cls).parameters.items() if p.kind != p.VAR_KEYWORD}
+    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        for ancestor in cls.__mro__[1:]:
+            if "__init__" in vars(ancestor) and ancestor is not object:
+                for name, p in inspect.signature(ancestor.__init__).parameters.items():
+                    if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                        parameters.setdefault(name, p)
+    return parameters
 
-    jsonargparse follows ``**kwargs`` up the class hierarchy; flair's transformer embeddings pass theirs to
-    ``transformers`` instead, so the parent's required ``tokenizer``, ``embedding_length``, ... are never given by a
-    user. They are left out of the check (the class itself refuses what it does not take)."""
+
+def assumed_parameters(cls: type | None) -> set[str]:
+    """The parameters that only an ancestor of a class requires, reached by the class's ``**kwargs``.
+
+    jsonargparse follows ``**kwargs`` up the class hierarchy and asks for them; flair's transformer embeddings pass
+    theirs to ``transformers`` and give their parent's required ``tokenizer``, ``embedding_length``, ... themselves.
+    They are left out of the check (the class itself refuses what it does not take)."""
     if cls is None:
         return set()
     own = inspect.signature(cls).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in own.values()):
-        return set()
-    resolved = get_signature_parameters(cls, None)
-    return {p.name for p in resolved if p.name not in own and p.default is inspect.Parameter.empty}
+    return {
+        name for name, p in _init_parameters(cls).items() if name not in own and p.default is inspect.Parameter.empty
+    }
 
 
 def _subclass(base: type, *, required: bool, skip: set[str], instantiate: bool = True) -> Callable[..., None]:
@@ -103,7 +114,7 @@ def label_dictionary(corpus: Corpus, rule: Namespace, model_class: type, model_a
 
 
 def _takes(model_class: type, name: str) -> bool:
-    return any(p.name == name for p in get_signature_parameters(model_class, None))
+    return name in _init_parameters(model_class)
 
 
 @dataclass
