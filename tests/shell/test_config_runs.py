@@ -1,5 +1,5 @@
 """``python -m flair_fabric train``: the example configs train; a config run is the equivalent Python script's run
-(one process and two ranks started by the command's own relaunch); the resolved config goes to ``config.yaml`` and
+(one process, two ranks started by the command's own relaunch, two ranks started by torchrun); the resolved config goes to ``config.yaml`` and
 to the tracker as its hyperparameters; a resume continues only the same config."""
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ def runs(tiny_bert: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         "python -m flair_fabric train",
         extra_env={"MLFLOW_ALLOW_FILE_STORE": "true"},
     )
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node=2", "-m"]
+    argv = _small("trec.yaml", tiny_bert, out / "torchrun", *common, "--trainer.devices=2")
+    run_command([*torchrun, "flair_fabric", "train", *argv], "torchrun -m flair_fabric train")
     return out
 
 
@@ -98,9 +101,10 @@ def test_a_config_run_trains_the_weights_of_the_equivalent_script(runs: Path) ->
     assert script.keys() == in_process.keys()
     for name, value in script.items():
         assert torch.equal(value, in_process[name]), name
-    two_ranks = _weights(runs / "ranks")
-    for name, value in script.items():
-        torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=name)
+    for started in ("ranks", "torchrun"):  # the command's own relaunch, and torchrun running it on every rank
+        two_ranks = _weights(runs / started)
+        for name, value in script.items():
+            torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=f"{started}: {name}")
 
 
 def _loss_column(folder: Path, column: str) -> list[float]:
