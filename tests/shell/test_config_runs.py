@@ -1,6 +1,6 @@
 """``python -m flair_fabric train``: the example configs train; a config run is the equivalent Python script's run
-(one process, two ranks started by the command's own relaunch, two ranks started by torchrun); the resolved config goes to ``config.yaml`` and
-to the tracker as its hyperparameters; a resume continues only the same config."""
+(one process, two ranks started by the command's own relaunch, two ranks started by torchrun); the resolved config
+goes to ``config.yaml`` and to the tracker as its hyperparameters; a resume continues only the same config."""
 
 from __future__ import annotations
 
