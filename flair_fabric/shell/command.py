@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, explain, where
-from flair_fabric.shell.options import all_keys, config_argv, make_parser, method_given
+from flair_fabric.shell.options import PROG, all_keys, config_argv, make_parser, method_given
 
 FOLDER_SUFFIXES = ("folder", "_dir", "_path")
 
@@ -84,6 +84,9 @@ def train(argv: Sequence[str]) -> dict:
 
 def main(argv: Sequence[str]) -> int:
     """The ``train`` command; a config mistake ends it with the message and exit code 2."""
+    if not argv:
+        print(f"usage: {PROG} CONFIG [CONFIG ...] [--key value ...]  ({PROG} --help: every key)", file=sys.stderr)
+        return 2
     try:
         train(argv)
     except ConfigError as error:
