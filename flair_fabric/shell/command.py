@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
+
 from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, explain, where
 from flair_fabric.shell.options import PROG, all_keys, config_argv, make_parser, method_given
 
@@ -33,14 +35,25 @@ def _parse(parser: Any, argv: Sequence[str], method: str, **kwargs: Any) -> Any:
 
 
 def check_data_folders(corpus: Any, argv: Sequence[str]) -> None:
-    """Refuse a corpus argument that names a folder (``data_folder``, ``*_dir``, ``*_path``) that does not exist."""
+    """Refuse a corpus's data folder argument (``data_folder``, ``data_dir``, ``data_path``, ...) that does not
+    exist."""
     init_args = (corpus or {}).get("init_args") or {}
     for name, value in init_args.items():
-        if name.endswith(FOLDER_SUFFIXES) and isinstance(value, str) and not Path(value).exists():
+        is_data_folder = name.startswith("data") and name.endswith(FOLDER_SUFFIXES)
+        if is_data_folder and isinstance(value, str) and not Path(value).exists():
             key = f"corpus.init_args.{name}"
             raise ConfigError(
                 f"{where(key, argv)}: {key}: {value}: no such folder; give the folder that holds the data."
             )
+
+
+def _class_help(argv: Sequence[str]) -> tuple[str, str] | None:
+    """``("model", "flair.models.SequenceTagger")`` for ``--model.help flair.models.SequenceTagger``, else ``None``."""
+    for index, each in enumerate(argv):
+        name, _, value = each.partition("=")
+        if name.startswith("--") and name.endswith(".help"):
+            return name[2:-5], value or (argv[index + 1] if index + 1 < len(argv) else "")
+    return None
 
 
 def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
@@ -49,8 +62,12 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
     check_yaml(config_files(argv))
     method = method_given(argv)
     first_argv = [each for each in argv if not each.startswith("--print_config")]
-    first = _parse(make_parser(method), first_argv, method)
-    check_data_folders(first.get("corpus"), argv)
+    helped = _class_help(argv)
+    if helped is not None:  # `--model.help CLASS`: jsonargparse's help of a class, from the second pass
+        first = Namespace(**{helped[0]: {"class_path": helped[1]}})
+    else:
+        first = _parse(make_parser(method), first_argv, method)
+        check_data_folders(first.get("corpus"), argv)
 
     from flair_fabric.shell.components import second_pass_parser  # torch, flair and Lightning load here
 

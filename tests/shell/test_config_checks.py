@@ -199,3 +199,38 @@ def test_a_later_file_replaces_a_list_whole(tmp_path: Path) -> None:
     files = [_write(tmp_path, CONFIG + csv), _write(tmp_path, tensorboard, "more.yaml")]
     _, config, _ = checked_config([str(file) for file in files])
     assert [logger.class_path for logger in config.loggers] == ["lightning.fabric.loggers.TensorBoardLogger"]
+
+
+def test_a_config_corpus_may_be_a_mapped_corpus_made_from_column_files(tmp_path: Path) -> None:
+    from flair_fabric.data import MappedCorpus
+    from flair_fabric.datasets import WNUT16
+
+    WNUT16(train_size=12, dev_size=4, test_size=4, split_files_to=tmp_path / "ner")
+    text = f"""\
+corpus:
+  class_path: flair_fabric.data.MappedCorpus.from_column_files
+  init_args:
+    data_folder: {tmp_path / "ner"}
+    column_format: {{0: text, 1: ner}}
+    column_delimiter: "\\t"
+    cache_folder: {tmp_path / "cache"}
+model:
+  class_path: flair.models.SequenceTagger
+  init_args: {{tag_type: ner}}
+trainer:
+  base_path: out
+"""
+    parser, _, given = _passes([str(_write(tmp_path, text))])
+    made = parser.instantiate_classes(given).corpus
+    assert isinstance(made, MappedCorpus) and len(made.train) == 12 and len(made.dev) == 4
+
+
+def test_a_sections_help_lists_the_arguments_of_the_class_it_names(capsys: pytest.CaptureFixture) -> None:
+    try:
+        with pytest.raises(SystemExit) as ended:
+            checked_config(["--model.help", "flair.models.SequenceTagger"])
+    except ConfigError as refused:
+        pytest.fail(f"--model.help was refused: {refused}")
+    assert ended.value.code in (0, None)
+    shown = capsys.readouterr().out
+    assert "--model.tag_type" in shown and "--model.hidden_size" in shown and "(type: int, default: 256)" in shown
