@@ -14,10 +14,12 @@ import torch
 import yaml
 from flair.embeddings import TransformerDocumentEmbeddings
 from flair.models import SequenceTagger, TextClassifier
+from flair.trainers.plugins import LinearSchedulerPlugin
 
 from flair_fabric import FabricTrainer
 from flair_fabric.datasets import TREC, TREC_LABEL_TYPE, WNUT16
-from flair_fabric.shell.command import train
+from flair_fabric.shell.command import checked_config, train
+from flair_fabric.shell.components import make_components
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.record import flattened
 
@@ -162,3 +164,27 @@ def test_a_resume_continues_the_same_config_and_refuses_a_changed_one(tiny_bert:
         pytest.fail(f"a resume with more epochs was refused: {refused}")
     assert len(_loss_column(tmp_path, "TRAIN_LOSS")) == 2, "the resumed run added its second epoch"
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_epochs"] == 2
+
+
+def test_the_trainers_and_the_models_class_arguments_are_made_from_import_paths_and_specs(
+    tiny_bert: Path, tmp_path: Path
+) -> None:
+    more = tmp_path / "more.yaml"
+    more.write_text(
+        "model:\n  init_args:\n    decoder:\n      class_path: torch.nn.Linear\n"
+        "      init_args: {in_features: 32, out_features: 6, bias: false}\n"
+        "trainer:\n  optimizer: torch.optim.SGD\n  optimizer_kwargs: {momentum: 0.5}\n  plugins:\n"
+        "    - class_path: flair.trainers.plugins.LinearSchedulerPlugin\n      init_args: {warmup_fraction: 0.2}\n"
+    )
+    argv = _small("trec.yaml", tiny_bert, tmp_path / "out")
+    argv.insert(1, str(more))
+    parser, config, given = checked_config(argv)
+    made = make_components(parser, config, given)
+    decoder = made.model.decoder
+    assert isinstance(decoder, torch.nn.Linear) and decoder.out_features == 6 and decoder.bias is None
+    assert made.trainer_arguments["optimizer"] is torch.optim.SGD and made.trainer_arguments.get("momentum") == 0.5
+    (plugin,) = made.trainer_arguments["plugins"]
+    assert isinstance(plugin, LinearSchedulerPlugin) and plugin.warmup_fraction == 0.2
+    assert "learning_rate" in made.trainer_arguments and "eval_batch_size" not in made.trainer_arguments, (
+        "the trainer gets the keys the config gives, so that flair's defaults apply"
+    )
