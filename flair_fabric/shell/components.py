@@ -113,17 +113,6 @@ def label_dictionary(corpus: Corpus, rule: Namespace, model_class: type, model_a
     )
 
 
-def _made(value: Any) -> Any:
-    """A checked ``class_path``/``init_args`` spec inside the model's arguments, made (the model itself is made
-    here, with the corpus's dictionary, so jsonargparse does not make what it holds)."""
-    if isinstance(value, dict) and "class_path" in value:
-        arguments = {name: _made(each) for name, each in (value.get("init_args") or {}).items()}
-        return import_object(value["class_path"])(**arguments)
-    if isinstance(value, list):
-        return [_made(each) for each in value]
-    return value
-
-
 def _takes(model_class: type, name: str) -> bool:
     return name in _init_parameters(model_class)
 
@@ -149,8 +138,7 @@ def make_components(parser: ArgumentParser, config: Namespace, given: Namespace)
         flair.set_seed(config.seed)
     made = parser.instantiate_classes(given)
     model_class = import_object(config.model.class_path)
-    given_args = made.model.init_args.as_dict() if made.model.get("init_args") else {}
-    model_args = {name: _made(value) for name, value in given_args.items()}
+    model_args = made.model.init_args.as_dict() if made.model.get("init_args") else {}  # nested classes made
     if made.get("embeddings") is not None and _takes(model_class, "embeddings"):
         model_args["embeddings"] = made.embeddings
     for name in ("tag_dictionary", "label_dictionary"):
