@@ -46,7 +46,7 @@ def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
     if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
         for ancestor in cls.__mro__[1:]:
             if "__init__" in vars(ancestor) and ancestor is not object:
-                for name, p in inspect.signature(ancestor.__init__).parameters.items():
+                for name, p in inspect.signature(vars(ancestor)["__init__"]).parameters.items():
                     if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                         parameters.setdefault(name, p)
     return parameters
