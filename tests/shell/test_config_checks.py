@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from flair_fabric import FabricTrainer
-from flair_fabric.shell.command import checked_config
+from flair_fabric.shell.command import checked_config, train
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.record import check_resume, flattened
 
@@ -234,3 +234,23 @@ def test_a_sections_help_lists_the_arguments_of_the_class_it_names(capsys: pytes
     assert ended.value.code in (0, None)
     shown = capsys.readouterr().out
     assert "--model.tag_type" in shown and "--model.hidden_size" in shown and "(type: int, default: 256)" in shown
+
+
+def test_a_torchrun_restart_with_a_changed_config_is_refused_before_any_data_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted torchrun job resumes by itself (resume_from 'auto'): it too must be the run's config."""
+    from tests.shell.counting import CountingCorpus
+
+    base = tmp_path / "out"
+    file = _write(tmp_path, CONFIG.replace("base_path: out", f"base_path: {base}"))
+    parser, config, _ = checked_config([str(file)])
+    started = yaml.safe_load(parser.dump(config, skip_none=False))
+    started["trainer"]["learning_rate"] = 0.5
+    base.mkdir()
+    (base / "config.yaml").write_text(yaml.safe_dump(started))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    made = CountingCorpus.made
+    with pytest.raises(ConfigError) as refused:
+        train([str(file)])
+    assert "trainer.learning_rate (0.5 -> 5e-05)" in str(refused.value) and CountingCorpus.made == made
