@@ -243,14 +243,18 @@ def test_a_torchrun_restart_with_a_changed_config_is_refused_before_any_data_is_
     from tests.shell.counting import DataWasRead
 
     base = tmp_path / "out"
-    text = CONFIG.replace("base_path: out", f"base_path: {base}").replace("CountingCorpus", "RefusingCorpus")
-    file = _write(tmp_path, text)
+    file = _write(tmp_path, CONFIG.replace("base_path: out", f"base_path: {base}"))
     parser, config, _ = checked_config([str(file)])
     started = yaml.safe_load(parser.dump(config, skip_none=False))
     started["trainer"]["learning_rate"] = 0.5
     base.mkdir()
     (base / "config.yaml").write_text(yaml.safe_dump(started))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+
+    def went_past_the_checks(*args: Any) -> None:
+        raise DataWasRead("the corpus and the model were about to be made")
+
+    monkeypatch.setattr("flair_fabric.shell.components.make_components", went_past_the_checks)
     with pytest.raises((ConfigError, DataWasRead)) as refused:
         train([str(file)])
     assert isinstance(refused.value, ConfigError), f"the restarted job went on: {refused.value}"
