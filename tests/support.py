@@ -339,6 +339,12 @@ def run_command(command: list[str], script: str, timeout: int = 240, extra_env: 
     return output
 
 
+def loss_file_column(folder: Path, column: str) -> list[float]:
+    """One column of ``folder/loss.tsv`` (flair's per-evaluation rows), as numbers."""
+    rows = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
+    return [float(row[rows[0].index(column)]) for row in rows[1:]]
+
+
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     """Write a JSON run configuration for a test script."""
     path.write_text(json.dumps(config), encoding="utf-8")

@@ -11,7 +11,7 @@ import pytest
 
 from flair_fabric import FabricTrainer, LightningLoggerPlugin, MLflowTracker, WandbTracker
 
-from ..support import small_trec, tiny_text_classifier
+from ..support import loss_file_column, small_trec, tiny_text_classifier
 from .wandb_log import history
 
 pytestmark = pytest.mark.multiprocess
@@ -32,11 +32,6 @@ def _train(folder: Path, tracker: Any, max_epochs: int, **options: Any) -> None:
     FabricTrainer(model, corpus).train(folder, max_epochs=max_epochs, plugins=plugins, **RUN, **options)
 
 
-def _loss_column(folder: Path, column: str) -> list[float]:
-    rows = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
-    return [float(row[rows[0].index(column)]) for row in rows[1:]]
-
-
 def test_mlflow_gets_one_run_per_job_with_the_loss_files_metrics_and_a_resume_continues_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -55,7 +50,8 @@ def test_mlflow_gets_one_run_per_job_with_the_loss_files_metrics_and_a_resume_co
     run = runs[0]
     losses = client.get_metric_history(run.info.run_id, "train/loss")
     assert [metric.step for metric in losses] == [3, 6, 9], "at each epoch's last optimizer step (24 questions / 8)"
-    assert [metric.value for metric in losses] == pytest.approx(_loss_column(tmp_path / "run", "TRAIN_LOSS"), abs=1e-4)
+    expected = loss_file_column(tmp_path / "run", "TRAIN_LOSS")
+    assert [metric.value for metric in losses] == pytest.approx(expected, abs=1e-4)
     assert run.data.params["mini_batch_size"] == "4" and run.data.params["devices"] == "2"
     artifacts = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert "final-model.pt" in artifacts
@@ -73,9 +69,9 @@ def test_wandb_offline_gets_one_run_per_job_and_a_resume_continues_it(tmp_path: 
     assert steps == sorted(steps), "one step axis, never going back (W&B drops rows logged at an earlier step)"
     losses = [(row["trainer/global_step"], row["train/loss"]) for row in rows if "train/loss" in row]
     assert [step for step, _ in losses] == [3, 6], "each epoch's loss at its last optimizer step (24 questions / 8)"
-    assert [loss for _, loss in losses] == pytest.approx(_loss_column(tmp_path / "run", "TRAIN_LOSS"), abs=1e-4)
+    assert [loss for _, loss in losses] == pytest.approx(loss_file_column(tmp_path / "run", "TRAIN_LOSS"), abs=1e-4)
     scores = [row["dev/accuracy"] for row in rows if "dev/accuracy" in row]
-    assert scores == pytest.approx(_loss_column(tmp_path / "run", "DEV_ACCURACY"), abs=1e-4)
+    assert scores == pytest.approx(loss_file_column(tmp_path / "run", "DEV_ACCURACY"), abs=1e-4)
     _train(tmp_path / "run", tracker, max_epochs=3, resume_from="auto")
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and {path.name.rsplit("-", 1)[1] for path in runs} == {first[0].name.rsplit("-", 1)[1]}

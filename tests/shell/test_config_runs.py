@@ -23,7 +23,7 @@ from flair_fabric.shell.components import make_components
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.record import flattened
 
-from ..support import REPO, make_tiny_bert, run_command
+from ..support import REPO, loss_file_column, make_tiny_bert, run_command
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLES = REPO / "examples" / "configs"
@@ -109,11 +109,6 @@ def test_a_config_run_trains_the_weights_of_the_equivalent_script(runs: Path) ->
             torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=f"{started}: {name}")
 
 
-def _loss_column(folder: Path, column: str) -> list[float]:
-    rows = [line.split("\t") for line in (folder / "loss.tsv").read_text().splitlines()]
-    return [float(row[rows[0].index(column)]) for row in rows[1:]]
-
-
 def test_the_two_rank_config_run_writes_its_config_once_and_one_tracker_run_with_it(
     runs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +129,8 @@ def test_the_two_rank_config_run_writes_its_config_once_and_one_tracker_run_with
     assert params.get("model.class_path") == "flair.models.TextClassifier", "the resolved config is the hyperparameters"
     losses = client.get_metric_history(found[0].info.run_id, "train/loss")
     assert [metric.step for metric in losses] == [3, 6], "each epoch's loss at its last step (24 questions / 8)"
-    assert [metric.value for metric in losses] == pytest.approx(_loss_column(runs / "ranks", "TRAIN_LOSS"), abs=1e-4)
+    expected = loss_file_column(runs / "ranks", "TRAIN_LOSS")
+    assert [metric.value for metric in losses] == pytest.approx(expected, abs=1e-4)
 
 
 def test_the_ner_example_trains_a_tagger_with_the_corpus_tag_dictionary(tiny_bert: Path, tmp_path: Path) -> None:
@@ -146,7 +142,7 @@ def test_the_ner_example_trains_a_tagger_with_the_corpus_tag_dictionary(tiny_ber
     spans = {item.split("-", 1)[-1] for item in tagger.label_dictionary.get_items() if item != "O"}
     assert spans == set(reference.get_items()) and tagger.tag_type == "ner"
     assert "<unk>" not in tagger.label_dictionary.get_items(), "dictionary.add_unk: false"
-    assert len(_loss_column(tmp_path, "TRAIN_LOSS")) == 1
+    assert len(loss_file_column(tmp_path, "TRAIN_LOSS")) == 1
 
 
 def test_a_resume_continues_the_same_config_and_refuses_a_changed_one(tiny_bert: Path, tmp_path: Path) -> None:
@@ -162,7 +158,7 @@ def test_a_resume_continues_the_same_config_and_refuses_a_changed_one(tiny_bert:
         train(_small("trec.yaml", tiny_bert, tmp_path, *more))
     except ConfigError as refused:
         pytest.fail(f"a resume with more epochs was refused: {refused}")
-    assert len(_loss_column(tmp_path, "TRAIN_LOSS")) == 2, "the resumed run added its second epoch"
+    assert len(loss_file_column(tmp_path, "TRAIN_LOSS")) == 2, "the resumed run added its second epoch"
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["max_epochs"] == 2
 
 

@@ -31,15 +31,9 @@ from flair_fabric.state.training_state import (
 )
 from flair_fabric.training import checkpointing
 
-from ..support import small_trec, tiny_text_classifier
+from ..support import loss_file_column, small_trec, tiny_text_classifier
 
 ONE_PROCESS = {"accelerator": "cpu", "devices": 1, "create_file_logs": False}
-
-
-def _loss_column(base_path: Path, column: str) -> list[float]:
-    rows = [line.split("\t") for line in (base_path / "loss.tsv").read_text().splitlines()]
-    index = rows[0].index(column)
-    return [float(row[index]) for row in rows[1:]]
 
 
 # --- defaults -----------------------------------------------------------------------------------------------------
@@ -114,7 +108,7 @@ def test_a_step_checkpoint_due_at_an_epochs_last_step_is_taken_after_its_evaluat
     assert sorted(saved) == [f"step-{step:09d}" for step in expected]
     inside = {int(name.split("-")[1]): (p.epoch, p.step_in_epoch) for name, p in saved.items()}
     assert inside == expected
-    dev_scores = _loss_column(tmp_path, "DEV_F1")  # the main metric: micro F1
+    dev_scores = loss_file_column(tmp_path, "DEV_F1")  # the main metric: micro F1
     for step, (epoch, step_in_epoch) in expected.items():
         if step_in_epoch == 0:  # an epoch's end: after its evaluation, the best dev score so far
             best = saved[f"step-{step:09d}"].best_epoch_score
