@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import gc
 import logging
 import multiprocessing
 import os
@@ -187,11 +186,6 @@ def destroy_process_group_at_exit() -> None:
 def _run_in_workers(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
     worker_job = job.for_workers()
     payload = transport.dumps(worker_job) if start_method(fabric.strategy) == "spawn" else worker_job
-    if start_method(fabric.strategy) == "fork":
-        # forked workers inherit the caller's heap: its unreachable cycles are collected here, once, not by each
-        # worker's garbage collector in the middle of its own work (a forked FSDP rank crashed there once, inside
-        # torch's sharding, finalizing objects of an earlier test of the same pytest process)
-        gc.collect()
     preemption_signal = job.preemption_signal
     existing = set(multiprocessing.active_children())
     interrupted: list[str] = []

@@ -1,7 +1,7 @@
 """``python -m flair_fabric train CONFIG [CONFIG ...] [--key value ...]``: check the config, then train.
 
 Everything is checked before any process starts or any data is read: the YAML, the keys and the trainer's values
-(first pass, without torch or flair), a corpus folder that does not exist, then the classes and their arguments
+(first pass, without torch or flair), a corpus's data folder that does not exist, then the classes and their arguments
 (second pass), then a resume against the run's ``config.yaml``. The run is what this script would do::
 
     flair.set_seed(seed); corpus = Corpus(...); embeddings = Embeddings(...)
