@@ -32,7 +32,12 @@ DEFAULT_METHOD = "train"
 PROG = "python -m flair_fabric train"
 
 
-class _NeedsImport:
+class _NeedsImportMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        return _NeedsImport  # torch.optim.SGD too
+
+
+class _NeedsImport(metaclass=_NeedsImportMeta):
     """Stands for a name that only torch or flair defines (its type is checked in the second pass)."""
 
 
@@ -41,12 +46,6 @@ class _Names(dict):
         return _NeedsImport
 
 
-class _NeedsImportMeta(type):
-    def __getattr__(cls, name: str) -> Any:
-        return _NeedsImport
-
-
-_NeedsImport = _NeedsImportMeta("_NeedsImport", (), {})  # type: ignore[misc,assignment]  # torch.optim.SGD too
 _KNOWN = {name: getattr(typing, name) for name in ("Any", "Optional", "Union", "Literal", "List", "Dict", "Tuple")}
 _KNOWN.update({"Path": Path, "timedelta": timedelta, "signal": signal, "list": list, "dict": dict, "tuple": tuple})
 _KNOWN.update({"str": str, "int": int, "float": float, "bool": bool, "type": type, "None": None})

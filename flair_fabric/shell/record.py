@@ -29,9 +29,8 @@ def flattened(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def changed_keys(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The dotted keys whose value differs (or that only one of the two configs has), in order."""
-    old, new = flattened(before), flattened(now)
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The dotted keys whose value differs (or that only one of two flattened configs has), in order."""
     keys = list(old) + [key for key in new if key not in old]
     return [key for key in keys if old.get(key, "<absent>") != new.get(key, "<absent>")]
 
@@ -45,11 +44,10 @@ def check_resume(base_path: Path, resolved: str) -> None:
     file = base_path / CONFIG_FILE
     if not file.is_file():
         return
-    before = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
-    now = yaml.safe_load(resolved) or {}
-    changed = [key for key in changed_keys(before, now) if key not in MAY_CHANGE_ON_RESUME]
+    old = flattened(yaml.safe_load(file.read_text(encoding="utf-8")) or {})
+    new = flattened(yaml.safe_load(resolved) or {})
+    changed = [key for key in changed_keys(old, new) if key not in MAY_CHANGE_ON_RESUME]
     if changed:
-        old, new = flattened(before), flattened(now)
         listed = ", ".join(f"{key} ({_shown(old, key)} -> {_shown(new, key)})" for key in changed)
         raise ConfigError(
             f"trainer.resume_from: the run in {base_path} was started from another config ({file}); changed: {listed}."
