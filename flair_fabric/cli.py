@@ -71,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     main.add_argument("--version", action="version", version=f"flair-fabric {__version__}")
     commands = main.add_subparsers(dest="command", required=True)
     commands.add_parser("train", help="train from a YAML config (python -m flair_fabric train --help)", add_help=False)
+    commands.add_parser("cache", help="list|prune|verify the mapped corpora's cache (cache --help)", add_help=False)
 
     predict = commands.add_parser("predict", help="label a file with a trained model, split across processes")
     predict.add_argument("--model", required=True, help="a model file saved by flair")
@@ -102,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flair_fabric.shell.command import main as train
 
         return train(words[1:])
+    if words[:1] == ["cache"]:
+        from flair_fabric.data.command import main as cache
+
+        return cache(words[1:])
     args = parser().parse_args(words)
     if not Path(args.input).is_file():
         raise SystemExit(f"--input {args.input}: no such file.")

@@ -4,9 +4,7 @@ sizes and times recorded, the result opened as :class:`~flair_fabric.data.split.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,19 +13,10 @@ from typing import Any
 from flair.data import DataPoint
 from torch.utils.data import Dataset
 
-from flair_fabric.data.cache import (
-    META,
-    Stat,
-    build_lock,
-    content_key,
-    default_cache_folder,
-    discard,
-    open_or_build,
-    read_meta,
-    stat_of,
-)
+from flair_fabric.data.cache import Stat, cache_root, content_key, open_or_build, stat_of
 from flair_fabric.data.columns import FORMAT_VERSION
 from flair_fabric.data.errors import SourceChangedError
+from flair_fabric.data.housekeeping import conversion_folder, remove_dead_conversions
 from flair_fabric.data.split import MappedSplit
 from flair_fabric.data.storage import write_split
 
@@ -65,8 +54,7 @@ def from_files(
 ) -> Opened:
     """The cache entry of the split files ``files`` read with ``read`` (``options``: everything that changes what it
     reads), built if no entry of this content exists."""
-    root = Path(cache_folder) if cache_folder is not None else default_cache_folder()
-    root.mkdir(parents=True, exist_ok=True)
+    root = cache_root(cache_folder)
     present = {name: Path(path) for name, path in files.items() if path is not None}
     sources = {str(path.resolve()): stat_of(path) for path in present.values()}
     key = content_key(list(present.values()), {**options, "splits": sorted(present)})
@@ -102,12 +90,14 @@ def _linked(dataset: Dataset) -> bool:
 
 
 def from_datasets(datasets: dict[str, Dataset | None], cache_folder: str | Path | None) -> Opened:
-    """The cache entry of data points already in memory, keyed by the SHA-256 of the files they are stored in."""
-    root = Path(cache_folder) if cache_folder is not None else default_cache_folder()
-    root.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=".converting-", dir=root))
-    try:
-        digest, stored, linked = hashlib.sha256(FORMAT_VERSION.encode()), {}, {}
+    """The cache entry of data points already in memory, keyed by the SHA-256 of the files they are stored in
+    (converted into a temporary folder first; the entry is made from it, or rebuilt from it where damaged)."""
+    root = cache_root(cache_folder)
+    remove_dead_conversions(root)
+    with conversion_folder(root) as temporary:
+        digest = hashlib.sha256(FORMAT_VERSION.encode())
+        stored: dict[str, dict[str, Any]] = {}
+        linked: dict[str, bool] = {}
         for name, dataset in datasets.items():
             if dataset is None:
                 continue
@@ -118,23 +108,14 @@ def from_datasets(datasets: dict[str, Dataset | None], cache_folder: str | Path 
         every_split_linked = bool(linked) and all(linked.values())
         if not every_split_linked and _has_links(datasets):
             log.warning("map_corpus: the sentences' neighbour links do not follow the splits' order; not kept")
-        meta = {"splits": stored, "linked": every_split_linked, "sources": {}}
-        key = "corpus-" + digest.hexdigest()
-        folder = root / key
-        with build_lock(root, key):
-            built = read_meta(folder) is None
-            if built:
-                if folder.exists():  # another format version: never read
-                    discard(folder)
-                meta = {"format_version": FORMAT_VERSION, **meta}
-                (temporary / META).write_text(json.dumps(meta, indent=1))
-                temporary.rename(folder)
-    finally:
-        if temporary.exists():
-            discard(temporary)
-    complete = read_meta(folder)
-    assert complete is not None
-    return Opened(_splits(folder, complete, {}), folder, built)
+
+        def build(folder: Path) -> dict[str, Any]:
+            for split in stored.values():
+                (temporary / split["file"]).rename(folder / split["file"])
+            return {"splits": stored, "linked": every_split_linked, "sources": {}}
+
+        folder, meta, built = open_or_build(root, "corpus-" + digest.hexdigest(), build)
+    return Opened(_splits(folder, meta, {}), folder, built)
 
 
 def _has_links(datasets: dict[str, Dataset | None]) -> bool:

@@ -12,7 +12,7 @@ import pyarrow as pa
 from flair.data import DataPair, Sentence
 from torch.utils.data import Dataset
 
-from flair_fabric.data.cache import Stat, check_sources
+from flair_fabric.data.cache import Stat, check_sources, checked_file
 from flair_fabric.data.columns import SENTENCE, decode, parts
 from flair_fabric.data.storage import open_split
 
@@ -29,7 +29,9 @@ class MappedSplit(Dataset):
     Split built from column files link each sentence to its neighbours in the file, as flair's reader does
     (``previous_sentence()``/``next_sentence()``, for ``use_context``), by position in the whole stored split.
     Reading items checks at most every ``SOURCE_CHECK_INTERVAL`` seconds that no source file changed since the
-    corpus opened (:class:`~flair_fabric.data.errors.SourceChangedError`)."""
+    corpus opened (:class:`~flair_fabric.data.errors.SourceChangedError`). Before the file is mapped, its cache entry
+    is checked (:func:`~flair_fabric.data.cache.checked_file`): a damaged one raises
+    :class:`~flair_fabric.data.errors.DamagedCacheError`."""
 
     def __init__(
         self,
@@ -71,6 +73,7 @@ class MappedSplit(Dataset):
     def table(self) -> pa.Table:
         """The memory-mapped table of the whole stored split."""
         if self._table is None:
+            checked_file(Path(self.path))
             check_sources(self.sources)
             self._checked_at = time.monotonic()
             self._table, self._kind = open_split(Path(self.path))
