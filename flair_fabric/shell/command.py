@@ -25,6 +25,7 @@ from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, exp
 from flair_fabric.shell.options import PROG, all_keys, config_argv, make_parser, method_given
 
 FOLDER_SUFFIXES = ("folder", "_dir", "_path")
+PRINT_CONFIG = "--print_config"
 
 
 def _parse(parser: Any, argv: Sequence[str], method: str, **kwargs: Any) -> Any:
@@ -57,23 +58,30 @@ def _class_help(argv: Sequence[str]) -> tuple[str, str] | None:
 
 
 def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
-    """The second-pass parser, the whole config and what the config gives, checked; before any data is read."""
+    """The second-pass parser, the whole config and what the config gives, checked; before any data is read.
+
+    With ``--print_config``: print the resolved config (what ``config.yaml`` will hold) and end (``SystemExit``)."""
     argv = config_argv(argv)
     check_yaml(config_files(argv))
     method = method_given(argv)
-    first_argv = [each for each in argv if not each.startswith("--print_config")]
+    print_config = PRINT_CONFIG in argv
+    argv = [each for each in argv if each != PRINT_CONFIG]
     helped = _class_help(argv)
     if helped is not None:  # `--model.help CLASS`: jsonargparse's help of a class, from the second pass
         first = Namespace(**{helped[0]: {"class_path": helped[1]}})
     else:
-        first = _parse(make_parser(method), first_argv, method)
+        first = _parse(make_parser(method), argv, method)
         check_data_folders(first.get("corpus"), argv)
 
     from flair_fabric.shell.components import second_pass_parser  # torch, flair and Lightning load here
+    from flair_fabric.shell.record import resolved_config
 
     parser = second_pass_parser(method, first)
     config = _parse(parser, argv, method)
     given = _parse(parser, argv, method, defaults=False)
+    if print_config:
+        print(resolved_config(parser, config, given), end="")
+        raise SystemExit(0)
     return parser, config, given
 
 
@@ -83,9 +91,9 @@ def train(argv: Sequence[str]) -> dict:
     from flair_fabric import FabricTrainer, LightningLoggerPlugin
     from flair_fabric.launch.environment import restarted_by_torchrun
     from flair_fabric.shell.components import make_components
-    from flair_fabric.shell.record import ConfigRecordPlugin, check_resume, flattened
+    from flair_fabric.shell.record import ConfigRecordPlugin, check_resume, flattened, resolved_config
 
-    resolved = parser.dump(config, skip_none=False)
+    resolved = resolved_config(parser, config, given)
     if config.trainer.resume_from is not None or restarted_by_torchrun():
         check_resume(Path(config.trainer.base_path), resolved)
     made = make_components(parser, config, given)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from flair_fabric.launch.arguments import LightningArguments
+from flair_fabric.shell import values
 from flair_fabric.shell.flair_signature import METHODS, NO_DEFAULT, FlairParameter, method_parameters
 from flair_fabric.training.options import ANNOTATIONS, TrainingOptions
 
@@ -82,10 +83,18 @@ def trainer_keys(method: str) -> list[TrainerKey]:
     return keys
 
 
+FOLLOWS_FROM_GLOBAL_BATCH = "mini_batch_size"
+"""The flair key that may be ``null``: with ``trainer.global_batch_size`` it follows from the global batch (what
+``FabricTrainer`` does where a script leaves it out), and the resolved config says so."""
+
+
 def _flair_key(parameter: FlairParameter) -> TrainerKey:
     needs_import = light_type(parameter.annotation) is Any and parameter.annotation != "Any"
     default = None if parameter.default is NO_DEFAULT else parameter.default
     about = parameter.doc or "flair's argument"
+    if parameter.name == FOLLOWS_FROM_GLOBAL_BATCH:
+        about += " (null: it follows from trainer.global_batch_size)"
+        return TrainerKey(parameter.name, f"Optional[{parameter.annotation}]", default, about, needs_import)
     if needs_import:
         about += f" (flair's type: {parameter.annotation}; an import path, or class_path and init_args)"
     return TrainerKey(parameter.name, parameter.annotation, default, about, needs_import)
@@ -134,12 +143,14 @@ def make_parser(method: str, *, class_types: dict[str, Any] | None = None) -> Ar
         prog=PROG,
         description="Train a flair model from a YAML config (several files: later ones override earlier ones).",
         epilog=f"The trainer's defaults shown are those of trainer.method={method}; add --trainer.method fine_tune"
-        " for fine_tune's.",
+        " for fine_tune's. --print_config prints the resolved config (what base_path/config.yaml will hold) and ends;"
+        " --<section>.help CLASS lists a class's arguments.",
         exit_on_error=False,
         allow_abbrev=False,
         env_prefix=False,
         default_env=False,
-        print_config="--print_config" if class_types is not None else None,
+        print_config=None,  # the command prints the resolved config itself (shell.command)
+        parser_mode=values.MODE,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML config file (also: the first arguments)")
     parser.add_argument("--seed", type=int | None, default=None, help="flair.set_seed(seed) before anything is made")

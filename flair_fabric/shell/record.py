@@ -29,6 +29,25 @@ def flattened(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def resolved_config(parser: Any, config: Any, given: Any) -> str:
+    """The config as the run uses it, every key with its value (defaults included), as YAML that runs the same run
+    again: a ``mini_batch_size`` the config leaves out beside ``global_batch_size`` is ``null`` (it follows from the
+    global batch), not flair's default."""
+    from flair.trainers import ModelTrainer
+
+    from flair_fabric.training.batch_sizes import mini_batch_size_left_to_global
+
+    config = config.clone()
+    trainer_given = dict(given.get("trainer") or {})
+    method = getattr(ModelTrainer, config.trainer.method)
+    arguments = {**trainer_given, "global_batch_size": config.trainer.global_batch_size}
+    if "mini_batch_size" not in trainer_given:
+        config.trainer.mini_batch_size = mini_batch_size_left_to_global(method, (), arguments).get(
+            "mini_batch_size", config.trainer.mini_batch_size
+        )
+    return str(parser.dump(config, skip_unset=False))
+
+
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The dotted keys whose value differs (or that only one of two flattened configs has), in order."""
     keys = list(old) + [key for key in new if key not in old]
