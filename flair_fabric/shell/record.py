@@ -3,11 +3,14 @@ against the config of a resume, which must be the same run."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import Namespace
+from jsonargparse.typing import import_object
 
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
 from flair_fabric.shell.errors import ConfigError
@@ -29,15 +32,59 @@ def flattened(config: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _own_keys(namespace: Any) -> list[str]:
+    return [key for key in vars(namespace) if not key.startswith("__")]
+
+
+def _is_class_spec(value: Any) -> bool:
+    return isinstance(value, Namespace) and isinstance(value.get("class_path"), str)
+
+
+def _without_kwargs_not_given(spec: Any, given: Any) -> None:
+    """Drop from a class spec's ``init_args`` the arguments only its ``**kwargs`` would take (jsonargparse lists an
+    ancestor's) where the config did not give them: the class may pass its ``**kwargs`` on elsewhere (flair's
+    transformer embeddings to ``transformers``), so writing them out would make another call. Nested specs too."""
+    init_args = spec.get("init_args")
+    if not isinstance(init_args, Namespace):
+        return
+    given = given if _is_class_spec(given) and given.class_path == spec.class_path else None
+    given_args = given.get("init_args") if given is not None else None
+    given_keys = _own_keys(given_args) if isinstance(given_args, Namespace) else []
+    named = {
+        name
+        for name, p in inspect.signature(import_object(spec.class_path)).parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    for key in _own_keys(init_args):
+        if key not in named and key not in given_keys:
+            del init_args[key]
+        else:
+            _without_unrequested(init_args[key], given_args.get(key) if key in given_keys else None)
+
+
+def _without_unrequested(value: Any, given: Any) -> None:
+    """:func:`_without_kwargs_not_given` for every class spec in ``value`` (a spec, a list of specs)."""
+    if _is_class_spec(value):
+        _without_kwargs_not_given(value, given)
+    elif isinstance(value, list):
+        given_items = given if isinstance(given, list) and len(given) == len(value) else [None] * len(value)
+        for item, given_item in zip(value, given_items, strict=True):
+            _without_unrequested(item, given_item)
+
+
 def resolved_config(parser: Any, config: Any, given: Any) -> str:
-    """The config as the run uses it, every key with its value (defaults included), as YAML that runs the same run
-    again: a ``mini_batch_size`` the config leaves out beside ``global_batch_size`` is ``null`` (it follows from the
-    global batch), not flair's default."""
+    """The config as the run uses it, as YAML that runs the same run again: every key with its value, defaults
+    included, but for the arguments only a class's ``**kwargs`` would take, written where the config gives them; a
+    ``mini_batch_size`` the config leaves out beside ``global_batch_size`` is ``null`` (it follows from the global
+    batch), not flair's default."""
     from flair.trainers import ModelTrainer
 
     from flair_fabric.training.batch_sizes import mini_batch_size_left_to_global
 
     config = config.clone()
+    for section in ("corpus", "embeddings", "model", "loggers"):
+        _without_unrequested(config.get(section), given.get(section))
+    _without_unrequested(config.trainer.get("plugins"), (given.get("trainer") or Namespace()).get("plugins"))
     trainer_given = dict(given.get("trainer") or {})
     method = getattr(ModelTrainer, config.trainer.method)
     arguments = {**trainer_given, "global_batch_size": config.trainer.global_batch_size}

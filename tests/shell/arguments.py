@@ -1,8 +1,7 @@
 """What a config run hands to each thing it makes, read from the callables' signatures (the reference for "a run from
-``config.yaml`` is the same run"): a class gets the ``init_args`` the config gives and its own defaults for the rest;
-what a class's ``**kwargs`` takes reaches the first ancestor whose ``__init__`` names it; the trainer's method gets
-the trainer keys, and a ``mini_batch_size`` left out beside ``global_batch_size`` follows from the global batch
-(``None``, docs/shell.md)."""
+``config.yaml`` is the same run"): a class gets the ``init_args`` the config gives and its own defaults for the rest
+(its ``**kwargs`` exactly what the config gives); the trainer's method gets the trainer keys, and a
+``mini_batch_size`` left out beside ``global_batch_size`` follows from the global batch (``None``, docs/shell.md)."""
 
 from __future__ import annotations
 
@@ -19,20 +18,6 @@ from flair_fabric import FabricTrainer
 from flair_fabric.shell.options import DictionaryRule
 
 MADE_BY_THE_COMMAND = {"embeddings", "tag_dictionary", "label_dictionary"}
-
-
-def _where_kwargs_go(target: Callable[..., Any], name: str) -> inspect.Parameter | None:
-    """The parameter ``name`` that a callable's ``**kwargs`` reaches: an ancestor's ``__init__`` for a class, flair's
-    ``train_custom`` for a training method."""
-    if inspect.isclass(target):
-        places = [vars(cls)["__init__"] for cls in target.__mro__[1:] if "__init__" in vars(cls) and cls is not object]
-    else:
-        places = [ModelTrainer.train_custom]
-    for place in places:
-        found = inspect.signature(place).parameters.get(name)
-        if found is not None and found.kind not in (found.VAR_KEYWORD, found.VAR_POSITIONAL):
-            return found
-    return None
 
 
 def _branches(namespace: Namespace | None) -> dict[str, Any]:
@@ -57,18 +42,14 @@ def _plain(value: Any) -> Any:
 
 def _bound(target: Callable[..., Any], given: dict[str, Any], left_out: set[str]) -> dict[str, Any]:
     """The named arguments ``target`` receives from ``given`` (its own defaults applied), with what its ``**kwargs``
-    gets listed by name, and the defaults it would reach for the names the ``**kwargs`` did not get left out."""
+    gets listed by name (a class may pass its ``**kwargs`` on to anything: only the same names are the same call)."""
     bound = inspect.signature(target).bind_partial(**given)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self", None)
     extra = next((n for n, p in inspect.signature(target).parameters.items() if p.kind == p.VAR_KEYWORD), None)
     if extra is not None:
-        for name, value in arguments.pop(extra, {}).items():
-            reached = _where_kwargs_go(target, name)
-            is_default = reached is not None and reached.default is not inspect.Parameter.empty
-            if not (is_default and _plain(value) == _plain(reached.default)):
-                arguments[name] = value  # an ancestor's default given by name is what the ancestor would use
+        arguments.update(arguments.pop(extra, {}))
     return {name: _plain(value) for name, value in arguments.items() if name not in left_out}
 
 
@@ -91,6 +72,9 @@ def what_the_run_receives(given: Namespace) -> dict[str, Any]:
     base_path = trainer.pop("base_path")
     arguments = _bound(getattr(FabricTrainer, method), trainer, set())
     arguments.pop("base_path", None)
+    for name, parameter in inspect.signature(ModelTrainer.train_custom).parameters.items():
+        if parameter.default is not parameter.empty:  # flair's train and fine_tune pass **kwargs to train_custom
+            arguments.setdefault(name, _plain(parameter.default))
     return {
         "seed": given.get("seed"),
         "corpus": received(given.get("corpus")),

@@ -134,7 +134,7 @@ def test_a_run_from_its_resolved_config_gets_the_same_arguments(tmp_path: Path, 
 
 def test_awkward_strings_reach_the_classes_as_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = _configs(tmp_path)["awkward values"]
-    _, config, given = checked_config(argv)
+    _, _, given = checked_config(argv)
     corpus = given.corpus.init_args
     assert corpus.comment_symbol == "#: " and corpus.name == "" and corpus.column_delimiter == " "
     assert dict(corpus.label_name_map) == {"a: b": " leading space", "#x": "1e-5", "y": "null", "z": "~"}, (

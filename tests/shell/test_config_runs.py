@@ -24,6 +24,7 @@ from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.record import flattened
 
 from ..support import REPO, loss_file_column, make_tiny_bert, run_command
+from .arguments import what_the_run_receives
 
 pytestmark = pytest.mark.multiprocess
 EXAMPLES = REPO / "examples" / "configs"
@@ -107,6 +108,26 @@ def test_a_config_run_trains_the_weights_of_the_equivalent_script(runs: Path) ->
         two_ranks = _weights(runs / started)
         for name, value in script.items():
             torch.testing.assert_close(two_ranks[name], value, rtol=0, atol=1e-5, msg=f"{started}: {name}")
+
+
+def test_a_run_from_the_config_yaml_a_run_wrote_is_the_same_run(runs: Path, tiny_bert: Path, tmp_path: Path) -> None:
+    common = ["--trainer.global_batch_size=8", "--trainer.max_epochs=2"]
+    _, _, given = checked_config(_small("trec.yaml", tiny_bert, runs / "config", *common))
+    written = runs / "config" / "config.yaml"
+    try:
+        _, _, given_again = checked_config([str(written)])
+    except ConfigError as refused:
+        pytest.fail(f"the config.yaml a run wrote is refused: {refused}")
+    assert what_the_run_receives(given_again) == what_the_run_receives(given)
+    again = tmp_path / "again"
+    try:
+        train([str(written), f"--trainer.base_path={again}"])
+    except ValueError as refused:
+        pytest.fail(f"the config.yaml a run wrote does not train: {refused}")
+    first, second = _weights(runs / "config"), _weights(again)
+    assert first.keys() == second.keys()
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name}: the run from config.yaml trained other weights"
 
 
 def test_the_two_rank_config_run_writes_its_config_once_and_one_tracker_run_with_it(
