@@ -16,6 +16,8 @@ from typing import Any
 
 from lightning.fabric.loggers import Logger
 
+from flair_fabric.plugins.mlflow_store import check_mlflow_store, tracking_uri_used
+
 
 class Tracker(ABC):
     """How to make a tracker's logger, continuing a recorded run, and how to name the run it logs to."""
@@ -47,9 +49,12 @@ class Tracker(ABC):
 
 @dataclass
 class MLflowTracker(Tracker):
-    """An MLflow run (Lightning's ``MLFlowLogger``); ``tracking_uri`` as MLflow takes it (``file:...`` for a folder).
-    ``log_model_files``: the model files flair writes (``best-model.pt``, ``final-model.pt``) become the run's
-    artifacts."""
+    """An MLflow run (Lightning's ``MLFlowLogger``); ``tracking_uri`` as MLflow takes it (``file:...`` for a folder;
+    default: ``MLFLOW_TRACKING_URI``, else ``file:./mlruns``). ``log_model_files``: the model files flair writes
+    (``best-model.pt``, ``final-model.pt``) become the run's artifacts.
+
+    Made, it checks that MLflow will take the store: a folder needs ``MLFLOW_ALLOW_FILE_STORE=true`` with MLflow 3.13
+    and later (a ``ValueError`` says so before training starts, instead of MLflow at the first logged number)."""
 
     experiment_name: str = "flair-fabric"
     tracking_uri: str | None = None
@@ -57,6 +62,9 @@ class MLflowTracker(Tracker):
     tags: dict[str, Any] | None = None
     log_model_files: bool = False
     extra = "mlflow"
+
+    def __post_init__(self) -> None:
+        check_mlflow_store(self.tracking_uri)
 
     def make(self, run_id: str | None) -> Logger:
         try:
@@ -67,7 +75,7 @@ class MLflowTracker(Tracker):
         return MLFlowLogger(
             experiment_name=self.experiment_name,
             run_name=self.run_name,
-            tracking_uri=self.tracking_uri,
+            tracking_uri=tracking_uri_used(self.tracking_uri),
             tags=self.tags,
             run_id=run_id,
         )
