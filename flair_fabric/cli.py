@@ -92,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--column", type=int, default=1, help="the column of the gold labels (default: 1)")
     evaluate.add_argument("--output", default=None, help="flair's prediction file (optional)")
     evaluate.add_argument("--json", action="store_true", help="print the scores as JSON")
+    evaluate.add_argument(
+        "--loss",
+        action="store_true",
+        help="also compute the loss (none by default, as in flair's final test: it needs every gold label known)",
+    )
     _lightning_options(evaluate)
     return main
 
@@ -145,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gold_label_type,
             out_path=args.output,
             mini_batch_size=args.mini_batch_size,
+            return_loss=args.loss,
             **launch,
         )
     except ValueError as error:
@@ -154,7 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         **{
             " ".join(map(str, key)) if isinstance(key, tuple) else str(key): value
             for key, value in result.scores.items()
+            if key != "loss" or args.loss  # without --loss flair's Result holds 0.0: no loss was computed
         },
     }
     print(json.dumps(scores, default=str) if args.json else result.detailed_results)
+    if args.loss and not args.json:
+        print(f"loss: {result.loss}")
     return 0

@@ -14,6 +14,7 @@ from flair.data import DataPoint
 from lightning.fabric import Fabric
 
 from flair_fabric.distributed.collectives import gather_to_global_zero
+from flair_fabric.evaluation.loss_labels import loss_labels_named
 from flair_fabric.evaluation.predictions import RecordedLabel, UnsupportedPrediction, record_labels
 
 Labels = dict[str, list[RecordedLabel]]
@@ -88,9 +89,10 @@ def predict_in_parts(model: Any, batch: list[DataPoint], predict_kwargs: dict[st
     """``model.predict(batch, ...)``; a batch that runs out of device memory is freed (and the labels ``names`` a
     part of it got) and predicted again in halves, and so on, down to one data point (then the error names it). Each
     data point gets the labels and scores it gets in one pass wherever the model's predictions do not depend on their
-    batch."""
+    batch. A loss asked for (``return_loss``) that cannot encode a gold label raises an error naming it."""
     try:
-        return model.predict(batch, **predict_kwargs)
+        with loss_labels_named(model, batch, bool(predict_kwargs.get("return_loss"))):
+            return model.predict(batch, **predict_kwargs)
     except (torch.OutOfMemoryError, RuntimeError) as error:
         if not is_out_of_memory(error):
             raise
