@@ -143,26 +143,41 @@ def open_or_build(root: Path, key: str, build: Callable[[Path], dict[str, Any]])
     meta = read_meta(folder)
     if meta is not None and trusted(folder, meta):
         return folder, _remember(folder, meta), False
-    with build_lock(root, key):
-        remove_dead_temporaries(root, key)
-        meta = read_meta(folder)
-        if meta is not None:
-            damage = verify(folder, meta)
-            if damage is None:
-                return folder, _remember(folder, meta), False
-            log.warning("cache entry %s: %s is damaged (%s); rebuilding it from its sources", folder, *damage)
-        if folder.exists():  # damaged, another format version, or not complete: never read, rebuilt
-            _move_aside(root, key, folder)
+    try:
+        with build_lock(root, key):
+            return _open_or_build_locked(root, key, build)
+    except CacheFolderError:  # a read-only cache folder: an intact entry opens, nothing can be built
+        if meta is not None and verify(folder, meta) is None:
+            return folder, _remember(folder, meta), False
+        raise
+
+
+def _open_or_build_locked(
+    root: Path, key: str, build: Callable[[Path], dict[str, Any]]
+) -> tuple[Path, dict[str, Any], bool]:
+    folder = root / key
+    remove_dead_temporaries(root, key)
+    meta = read_meta(folder)
+    if meta is not None:
+        damage = verify(folder, meta)
+        if damage is None:
+            return folder, _remember(folder, meta), False
+        log.warning("cache entry %s: %s is damaged (%s); rebuilding it from its sources", folder, *damage)
+    if folder.exists():  # damaged, another format version, or not complete: never read, rebuilt
+        _move_aside(root, key, folder)
+    try:
         temporary = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=root))
-        try:
-            record = {"format_version": FORMAT_VERSION, "flair_version": flair.__version__, **build(temporary)}
-            meta = seal(temporary, record)
-            (temporary / USED).touch()
-            temporary.rename(folder)
-        except BaseException:
-            discard(temporary)
-            raise
-        mark_built(folder, meta)
+    except OSError as error:
+        raise CacheFolderError(root, error.strerror or str(error)) from None
+    try:
+        record = {"format_version": FORMAT_VERSION, "flair_version": flair.__version__, **build(temporary)}
+        meta = seal(temporary, record)
+        (temporary / USED).touch()
+        temporary.rename(folder)
+    except BaseException:
+        discard(temporary)
+        raise
+    mark_built(folder, meta)
     return folder, _remember(folder, meta), True
 
 
