@@ -24,6 +24,7 @@ from lightning.fabric.loggers import Logger
 from flair_fabric.plugins.trackers import Tracker
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.options import make_parser, trainer_keys
+from flair_fabric.shell.signatures import init_parameters
 
 MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary")
 """The model's arguments that the config does not give: the made embeddings and the corpus's label dictionary."""
@@ -39,19 +40,6 @@ def _imported(class_path: Any) -> type | None:
     return found if inspect.isclass(found) else None
 
 
-def _init_parameters(cls: type) -> dict[str, inspect.Parameter]:
-    """The named parameters of ``cls`` and, where it takes ``**kwargs``, of the ``__init__`` of its ancestors (what
-    the ``**kwargs`` may reach), the class's own first."""
-    parameters = {name: p for name, p in inspect.signature(cls).parameters.items() if p.kind != p.VAR_KEYWORD}
-    if any(p.kind == p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
-        for ancestor in cls.__mro__[1:]:
-            if "__init__" in vars(ancestor) and ancestor is not object:
-                for name, p in inspect.signature(vars(ancestor)["__init__"]).parameters.items():
-                    if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                        parameters.setdefault(name, p)
-    return parameters
-
-
 def assumed_parameters(cls: type | None) -> set[str]:
     """The parameters that only an ancestor of a class requires, reached by the class's ``**kwargs``.
 
@@ -62,7 +50,7 @@ def assumed_parameters(cls: type | None) -> set[str]:
         return set()
     own = inspect.signature(cls).parameters
     return {
-        name for name, p in _init_parameters(cls).items() if name not in own and p.default is inspect.Parameter.empty
+        name for name, p in init_parameters(cls).items() if name not in own and p.default is inspect.Parameter.empty
     }
 
 
@@ -114,7 +102,7 @@ def label_dictionary(corpus: Corpus, rule: Namespace, model_class: type, model_a
 
 
 def _takes(model_class: type, name: str) -> bool:
-    return name in _init_parameters(model_class)
+    return name in init_parameters(model_class)
 
 
 @dataclass

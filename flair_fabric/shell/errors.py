@@ -54,7 +54,8 @@ def _line(file: Path, path: Sequence[str]) -> tuple[int, int] | None:
 
 def where(key: str, argv: Sequence[str]) -> str:
     """Where ``key`` was given: ``command line``, or ``FILE:LINE`` of the last file that holds it (deepest match)."""
-    if any(each.split("=", 1)[0].startswith(f"--{key}") for each in argv):
+    spellings = {key, key.replace(".init_args.", ".")}  # jsonargparse takes --model.x for --model.init_args.x
+    if any(each.split("=", 1)[0].startswith(f"--{spelling}") for each in argv for spelling in spellings):
         return "command line"
     path = key.split(".")
     best: tuple[int, str] | None = None
@@ -104,6 +105,9 @@ def key_of(message: str) -> str | None:
     return ".".join(path)
 
 
+_NESTED_ARG = re.compile(r"NestedArg\(key='([^']*)', val=(.*?)\)")
+"""How jsonargparse shows a command line override (``--model.init_args.x 1``) in its messages."""
+
 _NOISE = (
     "Subtypes:",
     "Given value type:",
@@ -124,11 +128,27 @@ def _useful(lines: list[str]) -> list[str]:
     return [text for i, text in enumerate(useful) if i not in values[1:]]
 
 
+def _unknown_argument(key: str, message: str, argv: Sequence[str]) -> ConfigError:
+    """An argument a config's class does not take, with the class's closest one."""
+    from flair_fabric.shell.signatures import argument_names
+
+    class_path = re.search(r"Problem with given class_path '([^']+)'", message)
+    name = key.rsplit(".", 1)[-1]
+    taken = argument_names(class_path.group(1)) if class_path else []
+    suggestion = closest_key(name, taken)
+    of_class = f" of {class_path.group(1)}" if class_path else ""
+    hint = f"; did you mean '{suggestion}'?" if suggestion else f"; it takes: {', '.join(taken)}." if taken else "."
+    return ConfigError(f"{where(key, argv)}: {key}: unknown argument{of_class}{hint}")
+
+
 def explain(message: str, argv: Sequence[str], known: Sequence[str]) -> ConfigError:
     """A jsonargparse error as a :class:`ConfigError`: where, which key, what is wrong, and a suggestion."""
+    message = _NESTED_ARG.sub(lambda match: f"{match.group(1)}={match.group(2)}", message)
     key = key_of(message)
     if key is None:
         return ConfigError(message)
+    if "is not accepted" in message and "class_path" in message:
+        return _unknown_argument(key, message, argv)
     is_unknown = ("is not accepted" in message and "class_path" not in message) or "unrecognized" in message
     if is_unknown:
         key = unknown_part(key, known)

@@ -47,19 +47,19 @@ def _without_kwargs_not_given(spec: Any, given: Any) -> None:
     init_args = spec.get("init_args")
     if not isinstance(init_args, Namespace):
         return
-    given = given if _is_class_spec(given) and given.class_path == spec.class_path else None
-    given_args = given.get("init_args") if given is not None else None
-    given_keys = _own_keys(given_args) if isinstance(given_args, Namespace) else []
+    same_class = _is_class_spec(given) and given.class_path == spec.class_path
+    given_args = given.get("init_args") if same_class else None
+    given_args = given_args if isinstance(given_args, Namespace) else Namespace()
     named = {
         name
         for name, p in inspect.signature(import_object(spec.class_path)).parameters.items()
         if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     }
     for key in _own_keys(init_args):
-        if key not in named and key not in given_keys:
+        if key not in named and key not in _own_keys(given_args):
             del init_args[key]
         else:
-            _without_unrequested(init_args[key], given_args.get(key) if key in given_keys else None)
+            _without_unrequested(init_args[key], given_args.get(key))
 
 
 def _without_unrequested(value: Any, given: Any) -> None:

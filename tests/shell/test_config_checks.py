@@ -110,7 +110,8 @@ def test_help_lists_every_key_of_the_trainers_signature_without_importing_torch_
         (("model:", "modle:"), "modle", "did you mean 'model'"),
         (("max_epochs: 2", "max_epochs: two"), "trainer.max_epochs", "int"),
         (("flair.models.TextClassifier", "flair.models.TextClassifer"), "model.class_path", "TextClassifer"),
-        (("model: unused-here", "modell: unused-here"), "embeddings.init_args.modell", "not accepted"),
+        (("model: unused-here", "modell: unused-here"), "embeddings.init_args.modell", "did you mean 'model'"),
+        (("label_type: question_class", "label_typ: question_class"), "model.init_args.label_typ", "'label_type'"),
         (("train_size: 24", "train_size: many"), "corpus.init_args.train_size", "int"),
     ],
 )
@@ -126,6 +127,15 @@ def test_an_unknown_override_suggests_the_closest_key_and_a_yaml_mistake_names_i
     file = _write(tmp_path, CONFIG)
     message = _refusal([str(file), "--trainer.learnig_rate", "0.1"])
     assert "command line: trainer.learnig_rate: unknown key; did you mean 'trainer.learning_rate'?" in message
+    for override in ("--model.init_args.label_typ", "--model.label_typ"):  # jsonargparse's short spelling too
+        message = _refusal([str(file), override, "x"])
+        assert message == (
+            "command line: model.init_args.label_typ: unknown argument of flair.models.TextClassifier;"
+            " did you mean 'label_type'?"
+        )
+    message = _refusal([str(file), "--model.init_args.multi_label", "often"])
+    assert message.startswith("command line: model.init_args.multi_label:") and "NestedArg" not in message
+    assert "multi_label='often'" in message, "the override as it was given"
     broken = _write(tmp_path, CONFIG.replace("max_epochs: 2", "max_epochs: [2"), "broken.yaml")
     message = _refusal([str(broken)])
     assert message.startswith(f"{broken}:{_line_of(broken, 'max_epochs: [2')}: YAML syntax error")
