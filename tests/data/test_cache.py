@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import flair
 import pytest
+from flair.datasets import ColumnCorpus
 
 from flair_fabric.data import MappedCorpus, SourceChangedError, default_cache_folder, map_corpus
 from flair_fabric.data import cache as cache_module
@@ -44,6 +46,27 @@ def test_a_cache_is_built_once_and_reused_and_rebuilt_when_its_source_changes(tm
     changed = _open(tmp_path / "src", tmp_path / "c")
     assert changed.built and changed.cache_folder != first.cache_folder
     assert "Kyoto" in changed.train[len(changed.train) - 1].to_original_text()
+
+
+def test_the_key_holds_the_reading_options_and_flairs_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same files read with other options (one cache folder) are another entry, read as flair reads them with
+    those options; another flair version builds anew."""
+    write(tmp_path / "src" / "train.txt", COLUMNS)
+    plain = _open(tmp_path / "src", tmp_path / "c")
+    options = {"document_separator_token": "-DOCSTART-", "label_name_map": {"LOC": "place"}}
+    other = MappedCorpus.from_column_files(
+        tmp_path / "src",
+        {0: "text", 1: "pos", 2: "ner"},
+        sample_missing_splits=False,
+        cache_folder=tmp_path / "c",
+        **options,
+    )
+    assert other.built and other.cache_folder != plain.cache_folder
+    reference = ColumnCorpus(tmp_path / "src", {0: "text", 1: "pos", 2: "ner"}, sample_missing_splits=False, **options)
+    assert describe_split(other.train) == describe_split(reference.train)
+    assert describe_split(_open(tmp_path / "src", tmp_path / "c").train) != describe_split(reference.train)
+    monkeypatch.setattr(flair, "__version__", "0.0.0-another")
+    assert _open(tmp_path / "src", tmp_path / "c").built
 
 
 def test_a_source_that_changes_during_a_run_is_refused_naming_it(

@@ -188,14 +188,16 @@ print("COMPLETE", columns(sys.argv[3]).built, columns(sys.argv[3]).train[0].to_t
 def test_a_cache_folder_that_cannot_be_written_is_named_with_the_fix() -> None:
     """An empty read-only cache folder (as root: the check runs as the user nobody): from_column_files, map_corpus
     and $FLAIR_FABRIC_CACHE are refused naming the folder, cache_folder= and FLAIR_FABRIC_CACHE. A read-only cache
-    folder whose entry is complete still opens it."""
+    folder whose entry is complete and intact still opens it (read in full: no marker of a verification)."""
     base = Path(tempfile.mkdtemp(prefix="flair-fabric-read-only-"))
     try:
         base.chmod(0o755)
         source = write(base / "src" / "train.txt", "Paris\tB-LOC\nis\tO\n\nnice\tO\n").parent
         empty, complete = base / "empty", base / "complete"
         empty.mkdir()
-        expected = _open(source, complete).train[0].to_tagged_string()
+        opened = _open(source, complete)
+        expected = opened.train[0].to_tagged_string()
+        (opened.cache_folder / "verified.json").unlink()  # as where another machine built it: verified at the open
         for folder in (source, empty, complete, *complete.iterdir()):
             folder.chmod(0o555 if folder != source else 0o755)
         environment = {**_environment(), "FLAIR_FABRIC_CACHE": str(empty)}

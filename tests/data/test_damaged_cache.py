@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from flair.datasets import ColumnCorpus
 
-from flair_fabric.data import MappedCorpus, map_corpus
+from flair_fabric.data import MappedCorpus, integrity, map_corpus
+from flair_fabric.data import cache as cache_module
 from flair_fabric.datasets import WNUT16_FILE, trec_corpus
 
 from .damage import REOPEN, WITHOUT_SOURCES, cases
@@ -95,3 +99,37 @@ def test_a_damaged_entry_without_its_sources_is_refused_naming_the_file_and_the_
         assert f"the cache file {case['file']} is damaged" in case["error"], case
         assert "Open the corpus again from its sources" in case["error"], case
         assert f"remove {Path(case['file']).parent}" in case["error"], case
+
+
+def test_an_entry_is_read_in_full_once_then_compared_by_size_and_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The build computes the checksums; a later open (another process: nothing remembered) reads no file in full
+    while every file keeps its size, time and inode; a write to a file makes the next open read the entry again."""
+    source = _source(tmp_path / "src")
+    read: list[str] = []
+    real = integrity.file_checksum
+
+    def counted(path: Path) -> str:
+        read.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(integrity, "file_checksum", counted)
+    built = map_corpus(trec_corpus(300, 20, 20), cache_folder=tmp_path / "c")
+    columns = MappedCorpus.from_column_files(
+        source, {0: "text", 1: "ner"}, column_delimiter="\t", sample_missing_splits=False, cache_folder=tmp_path / "c"
+    )
+    assert sorted(read) == ["dev.arrow", "test.arrow", "train.arrow", "train.arrow"]
+    time.sleep(0.05)  # past the clock tick of the markers
+    (built.cache_folder / "verified.json").touch()
+    (columns.cache_folder / "verified.json").touch()
+    read.clear()
+    cache_module._CHECKED.clear()
+    again = map_corpus(trec_corpus(300, 20, 20), cache_folder=tmp_path / "c")
+    pickle.loads(pickle.dumps(again.dev))[0]
+    assert (again.built, read) == (False, [])
+    train = built.cache_folder / "train.arrow"
+    os.utime(train, ns=(time.time_ns(), time.time_ns()))
+    cache_module._CHECKED.clear()
+    assert map_corpus(trec_corpus(300, 20, 20), cache_folder=tmp_path / "c").built is False
+    assert sorted(read) == ["dev.arrow", "test.arrow", "train.arrow"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flair.datasets import ClassificationCorpus, ColumnCorpus, CSVClassificationCorpus
+from flair.data import Corpus, DataPair, Sentence
+from flair.datasets import ClassificationCorpus, ColumnCorpus, CSVClassificationCorpus, FlairDatapointDataset
 from flair.tokenization import SpaceTokenizer
 
 from flair_fabric.data import MappedCorpus, map_corpus
@@ -184,3 +185,50 @@ def test_lengths_are_read_from_the_split_they_belong_to(tmp_path: Path) -> None:
         split = getattr(trec, name)
         expected = np.array([data_point_length(split[i]) for i in range(len(split))])
         assert np.array_equal(getattr(mapped, name).lengths(), expected), name
+
+
+def _scored(line: str, number: int) -> Sentence:
+    label, text = line.split(" ", 1)
+    sentence = Sentence(text)
+    sentence.add_label("question", label.split(":")[0], 0.05 + number * 0.0125)
+    sentence[0].add_label("pos", "W", 0.25 + number / 1000)
+    sentence[1:3].add_label("ner", "X", 0.5 - number / 1000)
+    for key, value in {"index": number, "weight": number / 8, "checked": number % 2 == 0, "from": "trec"}.items():
+        sentence.add_metadata(key, value)
+    return sentence
+
+
+def test_label_scores_and_metadata_of_a_corpus_in_memory_are_kept(tmp_path: Path) -> None:
+    """flair's readers give every label a score of 1.0: a corpus in memory (as a model's predictions make it) has
+    others, on sentence, token, span and pair labels; and metadata of numbers and booleans."""
+    lines = TREC_FILE.read_text(encoding="utf-8").splitlines()[:50]
+    sentences = [_scored(line, number) for number, line in enumerate(lines[:40])]
+    pairs = []
+    for number in range(5):
+        pair = DataPair(_scored(lines[40 + 2 * number], 40 + number), Sentence(lines[41 + 2 * number]))
+        pair.add_label("entailment", "yes" if number % 2 else "no", 0.3 + number / 10)
+        pairs.append(pair)
+    corpus = Corpus(
+        FlairDatapointDataset(sentences[:30]),
+        FlairDatapointDataset(sentences[30:]),
+        FlairDatapointDataset(pairs),
+        sample_missing_splits=False,
+    )
+    mapped = map_corpus(corpus, cache_folder=tmp_path / "c")
+    _same_splits(mapped, corpus)
+    scores = {label.score for split in (mapped.train, mapped.test) for point in split for label in point.labels}
+    assert len(scores - {1.0}) > 40, scores
+    assert [repr(mapped.dev[i]._metadata) for i in range(10)] == [repr(corpus.dev[i]._metadata) for i in range(10)]
+
+
+def test_head_ids_of_a_column_file_are_flairs(tmp_path: Path) -> None:
+    """A dependency column ("head"): each token's head id as flair's reader gives it."""
+    text = "The\t2\tdet\ncat\t3\tnsubj\nsat\t0\troot\n\nIt\t2\tnsubj\nended\t0\troot\n.\t2\tpunct\n"
+    write(tmp_path / "dep" / "train.txt", text)
+    columns = {0: "text", 1: "head", 2: "deprel"}
+    reference = ColumnCorpus(tmp_path / "dep", columns, column_delimiter="\t", sample_missing_splits=False)
+    mapped = MappedCorpus.from_column_files(
+        tmp_path / "dep", columns, column_delimiter="\t", sample_missing_splits=False, cache_folder=tmp_path / "c"
+    )
+    _same_splits(mapped, reference)
+    assert [[token.head_id for token in sentence] for sentence in mapped.train] == [[2, 3, 0], [2, 0, 2]]
