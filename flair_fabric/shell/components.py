@@ -26,8 +26,12 @@ from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.options import make_parser, trainer_keys
 from flair_fabric.shell.signatures import init_parameters
 
-MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary")
-"""The model's arguments that the config does not give: the made embeddings and the corpus's label dictionary."""
+MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary", "corpus")
+"""The model's arguments that the config does not give: the made embeddings, the corpus's label dictionary, and the
+corpus itself where the model asks for one."""
+
+CORPUS = "corpus"
+"""The argument a class (or a classmethod that makes one, ``OneHotEmbeddings.from_corpus``) gets the made corpus by."""
 
 LABEL_TYPE_NAMES = ("tag_type", "label_type")
 
@@ -54,6 +58,43 @@ def assumed_parameters(cls: type | None) -> set[str]:
     }
 
 
+def _imported_callable(class_path: Any) -> Any:
+    try:
+        return import_object(class_path) if isinstance(class_path, str) else None
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _takes_corpus(target: Any) -> bool:
+    return callable(target) and CORPUS in init_parameters(target)
+
+
+def _classmethod_arguments(target: Any, base: type) -> Callable[..., None]:
+    """A section made by a classmethod of a ``base`` subclass (``OneHotEmbeddings.from_corpus``): ``class_path`` and
+    ``init_args`` checked against the method's signature (what its ``**kwargs`` reach included), the corpus left out:
+    the command hands it in."""
+    owner = getattr(target, "__self__", None)
+    if not (inspect.isclass(owner) and issubclass(owner, base)):
+        return _subclass(base, required=False, skip={CORPUS}, instantiate=False)  # jsonargparse says what is wrong
+
+    def add(parser: ArgumentParser, key: str) -> None:
+        parser.add_argument(f"--{key}.class_path", type=str, help="a classmethod that makes the class from the corpus")
+        parser.add_method_arguments(owner, target.__name__, f"{key}.init_args", skip={CORPUS}, fail_untyped=False)
+
+    return add
+
+
+def _embeddings_type(class_path: Any) -> Callable[..., None]:
+    """The embeddings section: a subclass spec; one that asks for the corpus is made by the command with it."""
+    target = _imported_callable(class_path)
+    if not _takes_corpus(target):
+        return _subclass(Embeddings, required=False, skip=assumed_parameters(_imported(class_path)))
+    if inspect.isclass(target):
+        skip = assumed_parameters(target) | {CORPUS}
+        return _subclass(Embeddings, required=False, skip=skip, instantiate=False)
+    return _classmethod_arguments(target, Embeddings)
+
+
 def _subclass(base: type, *, required: bool, skip: set[str], instantiate: bool = True) -> Callable[..., None]:
     def add(parser: ArgumentParser, key: str) -> None:
         parser.add_subclass_arguments(base, key, required=required, skip=skip, instantiate=instantiate)
@@ -73,9 +114,7 @@ def class_types(method: str, first_pass: Namespace) -> dict[str, Any]:
             trainer[key.name] = (parameter.annotation, parameter.default)
     return {
         "corpus": _subclass(Corpus, required=True, skip=set()),
-        "embeddings": _subclass(
-            Embeddings, required=False, skip=assumed_parameters(_imported(embeddings.get("class_path")))
-        ),
+        "embeddings": _embeddings_type(embeddings.get("class_path")),
         "model": _subclass(flair.nn.Model, required=True, skip=set(MADE_HERE), instantiate=False),
         "loggers": list[Logger | Tracker],
         "trainer": trainer,
@@ -105,6 +144,14 @@ def _takes(model_class: type, name: str) -> bool:
     return name in init_parameters(model_class)
 
 
+def _made_with_corpus(section: Any, corpus: Corpus) -> Any:
+    """A section jsonargparse left unmade because it asks for the corpus, made with it; anything else as it is."""
+    if not isinstance(section, Namespace):
+        return section
+    init_args = section.init_args.as_dict() if section.get("init_args") else {}
+    return import_object(section.class_path)(**init_args, corpus=corpus)
+
+
 @dataclass
 class Components:
     """What the config makes: the corpus, the model, and the trainer's keyword arguments (the loggers among the
@@ -127,8 +174,11 @@ def make_components(parser: ArgumentParser, config: Namespace, given: Namespace)
     made = parser.instantiate_classes(given)
     model_class = import_object(config.model.class_path)
     model_args = made.model.init_args.as_dict() if made.model.get("init_args") else {}  # nested classes made
-    if made.get("embeddings") is not None and _takes(model_class, "embeddings"):
-        model_args["embeddings"] = made.embeddings
+    embeddings = _made_with_corpus(made.get("embeddings"), made.corpus)
+    if embeddings is not None and _takes(model_class, "embeddings"):
+        model_args["embeddings"] = embeddings
+    if _takes(model_class, CORPUS):
+        model_args[CORPUS] = made.corpus
     for name in ("tag_dictionary", "label_dictionary"):
         if _takes(model_class, name):
             model_args[name] = label_dictionary(made.corpus, config.dictionary, model_class, model_args)

@@ -17,7 +17,7 @@ from jsonargparse.typing import import_object
 from flair_fabric import FabricTrainer
 from flair_fabric.shell.options import DictionaryRule
 
-MADE_BY_THE_COMMAND = {"embeddings", "tag_dictionary", "label_dictionary"}
+MADE_BY_THE_COMMAND = {"embeddings", "tag_dictionary", "label_dictionary", "corpus"}
 
 
 def _branches(namespace: Namespace | None) -> dict[str, Any]:

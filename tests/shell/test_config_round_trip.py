@@ -64,6 +64,20 @@ trainer:
   base_path: {out}
 """
 
+FROM_THE_CORPUS = """\
+corpus:
+  class_path: flair_fabric.data.MappedCorpus.from_column_files
+  init_args: {{data_folder: {data}, column_format: {{0: text, 1: pos}}, cache_folder: {cache}}}
+embeddings:
+  class_path: flair.embeddings.OneHotEmbeddings.from_corpus
+  init_args: {{min_freq: 1, embedding_length: 8}}
+model:
+  class_path: flair.models.SequenceTagger
+  init_args: {{tag_type: pos, hidden_size: 8}}
+trainer:
+  base_path: {out}
+"""
+
 CLASS_ARGUMENTS = """\
 model:
   init_args:
@@ -104,6 +118,7 @@ def _configs(folder: Path) -> dict[str, list[str]]:
         "awkward": AWKWARD_VALUES.format(data=data, cache=cache, out=out),
         "mapped": MAPPED.format(data=data, cache=cache, out=out),
         "class-arguments": CLASS_ARGUMENTS,
+        "from-the-corpus": FROM_THE_CORPUS.format(data=data, cache=cache, out=out),
     }
     for name, text in files.items():
         (folder / f"{name}.yaml").write_text(text, encoding="utf-8")
@@ -114,6 +129,7 @@ def _configs(folder: Path) -> dict[str, list[str]]:
         "awkward values": [str(folder / "awkward.yaml")],
         "mapped corpus": [str(folder / "mapped.yaml")],
         "class arguments": [str(EXAMPLES / "trec.yaml"), str(folder / "class-arguments.yaml")],
+        "embeddings from the corpus": [str(folder / "from-the-corpus.yaml")],
         "overrides": [str(folder / "checks.yaml"), "--corpus.init_args.seed=7", "--trainer.learning_rate=1e-5"],
     }
 

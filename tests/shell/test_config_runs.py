@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from flair.embeddings import TransformerDocumentEmbeddings
+from flair.data import Sentence
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers.plugins import LinearSchedulerPlugin
 
@@ -205,3 +206,58 @@ def test_the_trainers_and_the_models_class_arguments_are_made_from_import_paths_
     assert "learning_rate" in made.trainer_arguments and "eval_batch_size" not in made.trainer_arguments, (
         "the trainer gets the keys the config gives, so that flair's defaults apply"
     )
+
+
+ONE_HOT = """\
+seed: 5
+corpus:
+  class_path: flair_fabric.datasets.WNUT16
+  init_args: {train_size: 24, dev_size: 8, test_size: 8}
+embeddings:
+  class_path: flair.embeddings.OneHotEmbeddings.from_corpus
+  init_args: {min_freq: 1, embedding_length: 16}
+model:
+  class_path: flair.models.SequenceTagger
+  init_args: {tag_type: ner, hidden_size: 8, use_crf: false}
+dictionary: {add_dev_test: true}
+trainer: {base_path: BASE, max_epochs: 2, mini_batch_size: 8, accelerator: cpu, devices: 1}
+"""
+
+LOAD_WITH_FLAIR_ALONE = """
+import sys
+from flair.data import Sentence
+from flair.models import SequenceTagger
+tagger = SequenceTagger.load(sys.argv[1])
+sentences = [Sentence(line) for line in sys.argv[2:]]
+tagger.predict(sentences)
+print(type(tagger.embeddings).__name__, len(tagger.embeddings.vocab_dictionary))
+print([[token.get_label("ner").value for token in sentence] for sentence in sentences])
+print("flair_fabric" in sys.modules)
+"""
+
+
+def test_embeddings_made_from_the_corpus_train_as_the_script_and_load_in_flair_alone(tmp_path: Path) -> None:
+    from flair.embeddings import OneHotEmbeddings
+
+    config = tmp_path / "one_hot.yaml"
+    config.write_text(ONE_HOT.replace("BASE", str(tmp_path / "config")), encoding="utf-8")
+    train([str(config)])
+    flair.set_seed(5)
+    corpus = WNUT16(train_size=24, dev_size=8, test_size=8)
+    embeddings = OneHotEmbeddings.from_corpus(corpus, min_freq=1, embedding_length=16)
+    labels = corpus.make_label_dictionary("ner", add_unk=False, add_dev_test=True)
+    model = SequenceTagger(embeddings, labels, "ner", hidden_size=8, use_crf=False)
+    FabricTrainer(model, corpus).train(tmp_path / "script", max_epochs=2, mini_batch_size=8, accelerator="cpu")
+    script, from_config = _weights(tmp_path / "script"), _weights(tmp_path / "config")
+    assert script.keys() == from_config.keys()
+    for name, value in script.items():
+        assert torch.equal(value, from_config[name]), f"{name}: the config's one-hot embeddings are not the script's"
+    texts = [sentence.to_plain_string() for sentence in corpus.test][:3]
+    loaded = SequenceTagger.load(tmp_path / "script" / "final-model.pt")
+    expected = [Sentence(text) for text in texts]
+    loaded.predict(expected)
+    code = [sys.executable, "-c", LOAD_WITH_FLAIR_ALONE, str(tmp_path / "config" / "final-model.pt"), *texts]
+    printed = run_command(code, "flair's SequenceTagger.load").strip().splitlines()[-3:]
+    assert printed[0] == f"OneHotEmbeddings {len(embeddings.vocab_dictionary)}"
+    assert printed[1] == str([[token.get_label("ner").value for token in sentence] for sentence in expected])
+    assert printed[2] == "False", "loaded by flair alone"
