@@ -12,8 +12,8 @@ import flair
 import pytest
 import torch
 import yaml
-from flair.embeddings import TransformerDocumentEmbeddings
 from flair.data import Sentence
+from flair.embeddings import TransformerDocumentEmbeddings
 from flair.models import SequenceTagger, TextClassifier
 from flair.trainers.plugins import LinearSchedulerPlugin
 
