@@ -48,6 +48,27 @@ def check_data_folders(corpus: Any, argv: Sequence[str]) -> None:
             )
 
 
+MLFLOW_CLASSES = (
+    "flair_fabric.MLflowTracker",
+    "flair_fabric.plugins.MLflowTracker",
+    "flair_fabric.plugins.trackers.MLflowTracker",
+    "lightning.pytorch.loggers.MLFlowLogger",
+    "lightning.pytorch.loggers.mlflow.MLFlowLogger",
+)
+
+
+def check_tracker_stores(loggers: Any, argv: Sequence[str]) -> None:
+    """Refuse an MLflow logger whose store MLflow will refuse (its file store without ``MLFLOW_ALLOW_FILE_STORE``),
+    before torch or flair is imported: MLflow would fail at the first logged number, deep inside the run."""
+    from flair_fabric.plugins.mlflow_store import mlflow_store_problem
+
+    for index, logger in enumerate(loggers or []):
+        if isinstance(logger, dict) and logger.get("class_path") in MLFLOW_CLASSES:
+            problem = mlflow_store_problem((logger.get("init_args") or {}).get("tracking_uri"))
+            if problem is not None:
+                raise ConfigError(f"{where('loggers', argv)}: loggers[{index}].init_args.tracking_uri: {problem}")
+
+
 def _class_help(argv: Sequence[str]) -> tuple[str, str] | None:
     """``("model", "flair.models.SequenceTagger")`` for ``--model.help flair.models.SequenceTagger``, else ``None``."""
     for index, each in enumerate(argv):
@@ -72,6 +93,7 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
     else:
         first = _parse(make_parser(method), argv, method)
         check_data_folders(first.get("corpus"), argv)
+        check_tracker_stores(first.get("loggers"), argv)
 
     from flair_fabric.shell.components import second_pass_parser  # torch, flair and Lightning load here
     from flair_fabric.shell.record import resolved_config

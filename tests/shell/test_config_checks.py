@@ -155,6 +155,23 @@ def test_a_missing_data_folder_is_refused_before_flair_is_imported(tmp_path: Pat
     assert "no such folder" in done.stderr
 
 
+def test_an_mlflow_file_store_mlflow_will_refuse_is_refused_before_any_data_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    loggers = "loggers:\n  - class_path: flair_fabric.MLflowTracker\n    init_args: {tracking_uri: TRACKING}\n"
+    for uri in (f"file:{tmp_path / 'mlruns'}", str(tmp_path / "mlruns")):
+        file = _write(tmp_path, CONFIG + loggers.replace("TRACKING", uri))
+        message = _refusal([str(file)])
+        assert message.startswith(f"{file}:{_line_of(file, 'loggers:')}: loggers[0].init_args.tracking_uri:")
+        assert "MLFLOW_ALLOW_FILE_STORE=true" in message
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    _passes([str(file)])
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    _passes([str(_write(tmp_path, CONFIG + loggers.replace("TRACKING", "http://127.0.0.1:5999")))])
+
+
 def test_print_config_prints_the_resolved_config(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     file = _write(tmp_path, CONFIG)
     with pytest.raises(SystemExit) as ended:
@@ -186,6 +203,36 @@ def test_a_resume_may_change_the_epochs_and_devices_but_not_the_run(tmp_path: Pa
     assert "trainer.mini_batch_size (<absent> -> 8)" in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    ("override", "changed"),
+    [
+        ("--seed=4", "seed (3 -> 4)"),
+        ("--corpus.init_args.train_size=12", "corpus.init_args.train_size (24 -> 12)"),
+        ("--model.init_args.label_type=other", "model.init_args.label_type ('question_class' -> 'other')"),
+        (("tests.shell.counting.CountingCorpus", "flair_fabric.datasets.TREC"), "corpus.class_path ('tests.shell"),
+        ("--embeddings.init_args.model=other", "embeddings.init_args.model ('unused-here' -> 'other')"),
+        ("--dictionary.add_unk=true", "dictionary.add_unk (False -> True)"),
+        ("--loggers=[{class_path: lightning.fabric.loggers.CSVLogger, init_args: {root_dir: m}}]", "loggers ([] -> "),
+    ],
+)
+def test_a_resume_refuses_a_change_in_any_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture, override: str | tuple[str, str], changed: str
+) -> None:
+    """Not only the trainer's keys: another corpus, model, embeddings, dictionary, seed or loggers is another run."""
+    file = _write(tmp_path, CONFIG)
+    if isinstance(override, tuple):
+        runs = [[str(file)], [str(_write(tmp_path, CONFIG.replace(*override), "other.yaml"))]]
+    else:
+        runs = [[str(file)], [str(file), override]]
+    for argv, name in zip(runs, ("config.yaml", "changed.yaml"), strict=True):
+        with pytest.raises(SystemExit):
+            checked_config([*argv, "--print_config"])
+        (tmp_path / name).write_text(capsys.readouterr().out)
+    with pytest.raises(ConfigError) as refused:
+        check_resume(tmp_path, (tmp_path / "changed.yaml").read_text())
+    assert changed in str(refused.value)
+
+
 def _passes(argv: list[str]) -> Any:
     try:
         return checked_config(argv)
@@ -193,7 +240,8 @@ def _passes(argv: list[str]) -> Any:
         pytest.fail(f"a valid config was refused: {refused}")
 
 
-def test_the_readmes_config_and_the_examples_pass_the_checks(tmp_path: Path) -> None:
+def test_the_readmes_config_and_the_examples_pass_the_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the README says, for its tracker's default folder
     readme = (REPO / "README.md").read_text().split("## From the shell", 1)[1]
     block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
     _, config, _ = _passes([str(_write(tmp_path, block))])
