@@ -45,6 +45,17 @@ MappedCorpus.from_column_files(sys.argv[1], {0: "text", 1: "ner"}, column_delimi
 """
 
 
+# argv: the cache folder; converts a corpus in memory, says so in the middle, then waits to be killed
+KILLED_CONVERSION = (
+    KILLED_BUILD.split("MappedCorpus.from_column_files")[0]
+    + """
+from flair_fabric.data import map_corpus
+from flair_fabric.datasets import trec_corpus
+map_corpus(trec_corpus(3000, 10, 10), cache_folder=sys.argv[1])
+"""
+)
+
+
 def _environment() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
@@ -55,10 +66,13 @@ def _open(source: Path, cache: Path) -> MappedCorpus:
     )
 
 
-def _kill_a_build(source: Path, cache: Path) -> Path:
-    """Start a build in another process, SIGKILL it while it writes; the temporary folder it leaves."""
+def _kill_a_build(source: Path | None, cache: Path) -> Path:
+    """Start a build (of ``source``'s column files, or a ``map_corpus``) in another process, SIGKILL it while it
+    writes; the temporary folder it leaves."""
     process = subprocess.Popen(
-        [sys.executable, "-c", KILLED_BUILD, str(source), str(cache)],
+        [sys.executable, "-c", KILLED_CONVERSION, str(cache)]
+        if source is None
+        else [sys.executable, "-c", KILLED_BUILD, str(source), str(cache)],
         stdout=subprocess.PIPE,
         text=True,
         env=_environment(),
@@ -74,7 +88,7 @@ def _kill_a_build(source: Path, cache: Path) -> Path:
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     left = Path(line.split()[1]).parent
-    assert left.name.startswith(".") and ".building-" in left.name and left.is_dir()
+    assert left.name.startswith(".converting-" if source is None else ".") and left.is_dir()
     return left
 
 
@@ -83,6 +97,7 @@ def _bytes(folder: Path) -> int:
 
 
 def test_a_killed_builds_folder_is_removed_by_the_next_build_of_its_key(tmp_path: Path) -> None:
+    """Column files: the next build of the key removes it; a killed map_corpus: the next map_corpus removes it."""
     source = tmp_path / "src"
     write(source / "train.txt", WNUT16_FILE.read_text(encoding="utf-8"))
     left = _kill_a_build(source, tmp_path / "c")
@@ -91,6 +106,12 @@ def test_a_killed_builds_folder_is_removed_by_the_next_build_of_its_key(tmp_path
     corpus = _open(source, tmp_path / "c")
     assert corpus.built and not left.exists()
     assert sorted(path.name for path in (tmp_path / "c").iterdir()) == sorted(["locks", corpus.cache_folder.name])
+    converting = _kill_a_build(None, tmp_path / "c")
+    assert {entry.path: entry.state for entry in list_entries(tmp_path / "c")}[converting] == "left by a killed build"
+    mapped = map_corpus(trec_corpus(30, 5, 5), cache_folder=tmp_path / "c")
+    assert mapped.built and not converting.exists()
+    names = sorted(path.name for path in (tmp_path / "c").iterdir())
+    assert names == sorted(["locks", corpus.cache_folder.name, mapped.cache_folder.name])
 
 
 def test_entries_are_listed_with_sizes_and_last_use_and_pruned_by_age(tmp_path: Path) -> None:
