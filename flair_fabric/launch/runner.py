@@ -12,9 +12,11 @@ rank 0 is gone; when this process starts every other one, they meet at a store i
 With the script relaunch (``strategy="ddp"``) or under torchrun/SLURM the caller is itself a rank, so the function
 simply runs in it. Spawned and forked workers (``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) are separate
 processes: spawned ones receive the job through :mod:`~flair_fabric.launch.transport` (flair models by their flair
-state), forked ones inherit it, and rank 0's result comes back as plain data through a private temporary file. (Not
-through Fabric's return queue: the launcher joins the workers before it reads the queue, so a result larger than a
-pipe buffer would block rank 0 forever.)
+state) through a private temporary file, forked ones inherit it, and rank 0's result comes back as plain data
+through another one. (Not through Fabric's return queue: the launcher joins the workers before it reads the queue,
+so a result larger than a pipe buffer would block rank 0 forever. Nor the job through the pipe that starts a spawned
+worker: a job larger than its buffer blocks the caller until the worker reads it, forever where the worker exits
+first, as in a script without ``if __name__ == "__main__":``, :mod:`~flair_fabric.launch.main_guard`.)
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ from flair_fabric.launch.failures import (
     forget_inherited_interrupts,
     graceful_interrupts,
     stop_started_processes,
+)
+from flair_fabric.launch.main_guard import (
+    IN_THE_CALLER,
+    MARK_VARIABLE,
+    MissingMainGuard,
+    refuse_a_run_while_spawned,
+    watch_for_a_missing_guard,
 )
 from flair_fabric.launch.rendezvous import (
     interface_facing,
@@ -148,7 +157,10 @@ def run_job(job: Job, launch: LaunchConfig) -> Any:
     With workers, a Ctrl-C (or SIGTERM) that reaches this process is passed on to them (they stop together at their
     next agreement point and save, and this process waits for them); a second one ends them at once, reaps them and
     raises ``KeyboardInterrupt``. Workers never outlive this call; workers that stopped for a preemption make it exit
-    with :data:`~flair_fabric.state.policy.REQUEUE_EXIT_CODE`."""
+    with :data:`~flair_fabric.state.policy.REQUEUE_EXIT_CODE`. A run started while a spawned worker imports the script
+    again (no ``if __name__ == "__main__":``) raises :class:`~flair_fabric.launch.main_guard.MissingMainGuard`, there
+    and in the caller."""
+    refuse_a_run_while_spawned()
     fabric = build_fabric(launch)
     timeout = launch.collective_timeout
     with _rendezvous(fabric, timeout):
@@ -185,7 +197,7 @@ def destroy_process_group_at_exit() -> None:
 
 def _run_in_workers(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
     worker_job = job.for_workers()
-    payload = transport.dumps(worker_job) if start_method(fabric.strategy) == "spawn" else worker_job
+    spawned = start_method(fabric.strategy) == "spawn"
     preemption_signal = job.preemption_signal
     existing = set(multiprocessing.active_children())
     interrupted: list[str] = []
@@ -205,15 +217,24 @@ def _run_in_workers(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
 
     with tempfile.TemporaryDirectory(prefix="flair-fabric-") as handoff_dir:  # 0o700: the user's alone
         handoff = Path(handoff_dir) / "rank0-result.pt"
+        payload: Job | Path = worker_job
+        if spawned:  # by a file: the pipe that starts a worker then carries a small object, which never blocks it
+            payload = Path(handoff_dir) / "job.pickle"
+            transport.dump_private(worker_job, payload)
+        missing_guard: Path | None = None
         try:
             held = graceful_interrupts(pass_on, pass_on_preemption, preemption_signal)
-            with environment_restored("MASTER_PORT"), held:
+            with environment_restored("MASTER_PORT", MARK_VARIABLE), held:
+                if spawned:
+                    missing_guard = watch_for_a_missing_guard(Path(handoff_dir))
                 run = functools.partial(
                     _run_in_worker, job=payload, handoff=handoff, preemption=preemption_signal, timeout=timeout
                 )
                 fabric.launch(run)
         except BaseException as error:
             stopped = _stop_and_reap(set(multiprocessing.active_children()) - existing)
+            if missing_guard is not None and missing_guard.exists():
+                raise MissingMainGuard(IN_THE_CALLER) from error
             if interrupted or isinstance(error, KeyboardInterrupt):
                 log.warning(f"interrupted: {stopped} worker process(es) stopped")
                 raise KeyboardInterrupt(
@@ -274,23 +295,24 @@ def one_cpu_thread_after_fork() -> None:
 
 def _run_in_worker(
     fabric: Fabric,
-    job: Job | bytes,
+    job: Job | Path,
     handoff: Path,
     preemption: signal.Signals | None,
     timeout: timedelta,
 ) -> None:
-    """One spawned or forked rank: unpack the job, run it; global rank 0 writes its result to ``handoff``.
+    """One spawned or forked rank: unpack the job (a spawned one reads it from its file), run it; global rank 0
+    writes its result to ``handoff``.
 
     Signals are held from the start: a Ctrl-C during set-up stops every rank at the first agreement point."""
     forget_inherited_interrupts()
-    if not isinstance(job, bytes):  # inherited: a forked worker
+    if not isinstance(job, Path):  # inherited: a forked worker
         one_cpu_thread_after_fork()
     with graceful_interrupts(lambda signal_name: None, lambda signal_name: None, preemption):
         flair.device = fabric.device  # before the job is rebuilt: flair models move to flair.device when made
-        if isinstance(job, bytes):
+        if isinstance(job, Path):
             cuda_devices = [fabric.device.index] if fabric.device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda_devices):  # rebuilding a model draws random initial weights
-                job = cast(Job, transport.loads(job))
+                job = cast(Job, transport.load_file(job))
         result = _on_rank(fabric, job, timeout)
         if fabric.is_global_zero:
             save_private(result, handoff)

@@ -14,8 +14,10 @@ classes are left as they are.
 from __future__ import annotations
 
 import io
+import os
 import pickle
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import flair
 from flair.data import Relation, Sentence, Span
@@ -27,7 +29,7 @@ Links = list[tuple[Sentence, Sentence | None, Sentence | None]]
 
 
 class _FlairPickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: IO[bytes]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.links: Links = []  # the links of the sentences pickled so far, not yet sent
 
@@ -44,24 +46,47 @@ class _FlairPickler(pickle.Pickler):
         return NotImplemented
 
 
-def dumps(obj: Any) -> bytes:
-    """Pickle ``obj``, moving flair models by their flair state, rebuilding spans without their constructor and
-    sending sentence links afterwards (a neighbour outside ``obj`` is sent too, as plain pickling would)."""
-    buffer = io.BytesIO()
-    pickler = _FlairPickler(buffer)
+def dump(obj: Any, file: IO[bytes]) -> None:
+    """Pickle ``obj`` into ``file``, moving flair models by their flair state, rebuilding spans without their
+    constructor and sending sentence links afterwards (a neighbour outside ``obj`` is sent too, as plain pickling
+    would)."""
+    pickler = _FlairPickler(file)
     pickler.dump(obj)
     while pickler.links:  # one pickler: the sentences already sent are references (its memo holds them)
         batch, pickler.links = pickler.links, []
         pickler.dump(batch)
     pickler.dump(None)
+
+
+def dumps(obj: Any) -> bytes:
+    """:func:`dump` into bytes."""
+    buffer = io.BytesIO()
+    dump(obj, buffer)
     return buffer.getvalue()
 
 
-def loads(data: bytes) -> Any:
-    """Unpickle what :func:`dumps` wrote; flair models are rebuilt on the current ``flair.device``."""
-    unpickler = pickle.Unpickler(io.BytesIO(data))  # one unpickler: the link batches refer to the object's sentences
+def dump_private(obj: Any, path: Path) -> None:
+    """:func:`dump` into a new file only its owner can read (0o600), as spawned workers receive their job."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as stream:
+        dump(obj, stream)
+
+
+def load(file: IO[bytes]) -> Any:
+    """Unpickle what :func:`dump` wrote; flair models are rebuilt on the current ``flair.device``."""
+    unpickler = pickle.Unpickler(file)  # one unpickler: the link batches refer to the object's sentences
     obj = unpickler.load()
     while (batch := unpickler.load()) is not None:
         for sentence, previous, following in batch:
             sentence._previous_sentence, sentence._next_sentence = previous, following
     return obj
+
+
+def loads(data: bytes) -> Any:
+    """:func:`load` from bytes."""
+    return load(io.BytesIO(data))
+
+
+def load_file(path: Path) -> Any:
+    """:func:`load` from the file at ``path``."""
+    with path.open("rb") as stream:
+        return load(stream)
