@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from flair.data import Corpus, Dictionary
+from flair.embeddings import CharacterEmbeddings
+
 from flair_fabric.datasets import TREC
 
 
@@ -17,3 +20,14 @@ class CountingCorpus(TREC):
 
 class DataWasRead(Exception):
     """Raised by a test's stand-in: a config run got as far as making its corpus and model."""
+
+
+def character_embeddings(corpus: Corpus, hidden_size_char: int = 25) -> CharacterEmbeddings:
+    """Character embeddings over the characters of the corpus's training split (a config's function that takes the
+    corpus: docs/shell.md)."""
+    characters = Dictionary(add_unk=True)
+    for sentence in corpus.train:
+        for token in sentence:
+            for character in token.text:
+                characters.add_item(character)
+    return CharacterEmbeddings(characters, hidden_size_char=hidden_size_char)

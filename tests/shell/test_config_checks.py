@@ -317,3 +317,18 @@ def test_a_torchrun_restart_with_a_changed_config_is_refused_before_any_data_is_
         train([str(file)])
     assert isinstance(refused.value, ConfigError), f"the restarted job went on: {refused.value}"
     assert "trainer.learning_rate (0.5 -> 5e-05)" in str(refused.value)
+
+
+def test_a_function_that_takes_the_corpus_gets_the_made_corpus(tmp_path: Path) -> None:
+    from flair.embeddings import CharacterEmbeddings
+
+    from flair_fabric.shell.components import make_components
+
+    transformer = "  class_path: flair.embeddings.TransformerDocumentEmbeddings\n  init_args:\n    model: unused-here\n"
+    characters = "  class_path: tests.shell.counting.character_embeddings\n  init_args: {hidden_size_char: 6}\n"
+    parser, config, given = _passes([str(_write(tmp_path, CONFIG.replace(transformer, characters)))])
+    assert "corpus" not in given.embeddings.init_args, "the corpus is not the config's to give"
+    made = make_components(parser, config, given)
+    characters = {character for sentence in made.corpus.train for token in sentence for character in token.text}
+    assert isinstance(made.model.embeddings, CharacterEmbeddings)
+    assert set(made.model.embeddings.char_dictionary.get_items()) == characters | {"<unk>"}
