@@ -208,7 +208,8 @@ print("COMPLETE", columns(sys.argv[3]).built, columns(sys.argv[3]).train[0].to_t
 
 def test_a_cache_folder_that_cannot_be_written_is_named_with_the_fix() -> None:
     """An empty read-only cache folder (as root: the check runs as the user nobody): from_column_files, map_corpus
-    and $FLAIR_FABRIC_CACHE are refused naming the folder, cache_folder= and FLAIR_FABRIC_CACHE. A read-only cache
+    and $FLAIR_FABRIC_CACHE are refused naming the folder, cache_folder= and FLAIR_FABRIC_CACHE; so is a path under
+    a file. A read-only cache
     folder whose entry is complete and intact still opens it (read in full: no marker of a verification)."""
     base = Path(tempfile.mkdtemp(prefix="flair-fabric-read-only-"))
     try:
@@ -239,6 +240,9 @@ def test_a_cache_folder_that_cannot_be_written_is_named_with_the_fix() -> None:
         assert lines == [message, message, message, f"COMPLETE False {expected}"], completed.stdout
         assert list(empty.iterdir()) == []
         assert issubclass(CacheFolderError, OSError)
+        under_a_file = source / "train.txt" / "cache"
+        with pytest.raises(CacheFolderError, match=rf"the cache folder {under_a_file} cannot be written \(Not a dir"):
+            _open(source, under_a_file)
     finally:
         for folder in base.rglob("*"):
             folder.chmod(0o755) if folder.is_dir() else None

@@ -4,13 +4,21 @@ neighbours; on the bundled WNUT-16 and TREC data and on small files with the for
 
 from __future__ import annotations
 
+import inspect
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from flair.data import Corpus, DataPair, Sentence
-from flair.datasets import ClassificationCorpus, ColumnCorpus, CSVClassificationCorpus, FlairDatapointDataset
+from flair.datasets import (
+    ClassificationCorpus,
+    ColumnCorpus,
+    ColumnDataset,
+    CSVClassificationCorpus,
+    FlairDatapointDataset,
+)
 from flair.tokenization import SpaceTokenizer
 
 from flair_fabric.data import MappedCorpus, map_corpus
@@ -232,3 +240,48 @@ def test_head_ids_of_a_column_file_are_flairs(tmp_path: Path) -> None:
     )
     _same_splits(mapped, reference)
     assert [[token.head_id for token in sentence] for sentence in mapped.train] == [[2, 3, 0], [2, 0, 2]]
+
+
+def _parameters(function: Any) -> dict[str, Any]:
+    """Each parameter's name, kind and default (an object default by its type and attributes), in order."""
+    return {
+        name: (
+            parameter.kind,
+            (type(parameter.default), vars(parameter.default))
+            if hasattr(parameter.default, "__dict__")
+            else parameter.default,
+        )
+        for name, parameter in inspect.signature(function).parameters.items()
+        if name != "self"
+    }
+
+
+def test_the_builders_take_flairs_arguments_with_flairs_names_and_defaults(tmp_path: Path) -> None:
+    """from_classification_files and from_csv: flair's class's parameters (names, order, defaults) plus cache_folder;
+    from_column_files: ColumnCorpus's, with the ColumnDataset and Corpus arguments it passes on by name; in_memory
+    changes nothing (the same entry, the same data points)."""
+    for builder, flairs in (
+        (MappedCorpus.from_classification_files, ClassificationCorpus),
+        (MappedCorpus.from_csv, CSVClassificationCorpus),
+    ):
+        ours = _parameters(builder)
+        assert ours.pop("cache_folder")[1] is None
+        assert list(ours.items()) == list(_parameters(flairs.__init__).items()), builder.__name__
+    ours = _parameters(MappedCorpus.from_column_files)
+    assert ours.pop("cache_folder")[1] is None
+    passed_on = {**_parameters(ColumnDataset.__init__), **_parameters(Corpus.__init__)}
+    column_corpus = _parameters(ColumnCorpus.__init__)
+    column_corpus.pop("corpusargs")
+    for name, described in ours.items():
+        expected = column_corpus.get(name, passed_on.get(name))
+        assert expected is not None and described[1] == expected[1], name
+    assert [name for name in ours if name in column_corpus] == list(column_corpus)
+    write(tmp_path / "col" / "train.txt", COLUMNS)
+    stored = MappedCorpus.from_column_files(
+        tmp_path / "col", COLUMN_FORMAT, cache_folder=tmp_path / "c", in_memory=True
+    )
+    again = MappedCorpus.from_column_files(
+        tmp_path / "col", COLUMN_FORMAT, cache_folder=tmp_path / "c", in_memory=False
+    )
+    assert (stored.built, again.built) == (True, False)
+    assert describe_split(again.train) == describe_split(stored.train)
