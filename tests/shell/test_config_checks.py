@@ -332,3 +332,39 @@ def test_a_function_that_takes_the_corpus_gets_the_made_corpus(tmp_path: Path) -
     characters = {character for sentence in made.corpus.train for token in sentence for character in token.text}
     assert isinstance(made.model.embeddings, CharacterEmbeddings)
     assert set(made.model.embeddings.char_dictionary.get_items()) == characters | {"<unk>"}
+
+
+def test_the_label_dictionary_follows_the_dictionary_sections_knobs(tmp_path: Path) -> None:
+    """``dictionary.label_type`` (else the model's ``tag_type``), ``min_count``, ``add_unk``, ``add_dev_test``: each
+    changes the dictionary here (a tag seen once, a tag only in dev), compared with flair's own
+    ``make_label_dictionary``."""
+    from flair.datasets import ColumnCorpus
+    from flair.models import SequenceTagger
+    from jsonargparse import Namespace
+
+    from flair_fabric.shell.components import label_dictionary
+
+    rows = {
+        "train": "The DT DET\ncat NN NOUN\nsat VBD VERB\n\nA DT DET\ndog NN NOUN\nbarked VBD VERB\n\nOh UH INTJ\n\n",
+        "dev": "Run VB AUX\n\n",
+        "test": "The DT DET\n\n",
+    }
+    for split, text in rows.items():
+        (tmp_path / f"{split}.txt").write_text(text, encoding="utf-8")
+    corpus = ColumnCorpus(tmp_path, {0: "text", 1: "pos", 2: "upos"})
+    cases = [
+        ({"label_type": None, "min_count": -1, "add_unk": False, "add_dev_test": False}, "pos"),
+        ({"label_type": "upos", "min_count": -1, "add_unk": False, "add_dev_test": False}, "upos"),
+        ({"label_type": None, "min_count": 2, "add_unk": False, "add_dev_test": False}, "pos"),
+        ({"label_type": None, "min_count": -1, "add_unk": True, "add_dev_test": False}, "pos"),
+        ({"label_type": "upos", "min_count": -1, "add_unk": False, "add_dev_test": True}, "upos"),
+    ]
+    seen = []
+    for knobs, label_type in cases:
+        made = label_dictionary(corpus, Namespace(**knobs), SequenceTagger, {"tag_type": "pos"})
+        expected = corpus.make_label_dictionary(
+            label_type, min_count=knobs["min_count"], add_unk=knobs["add_unk"], add_dev_test=knobs["add_dev_test"]
+        )
+        assert made.get_items() == expected.get_items(), knobs
+        seen.append(tuple(made.get_items()))
+    assert len(set(seen)) == len(seen), "each knob changes the dictionary with this data"
