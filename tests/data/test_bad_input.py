@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from flair.data import Corpus, DataTriple, Relation, Sentence
+from flair.data import Corpus, DataTriple, Image, Relation, Sentence
 from flair.datasets import FlairDatapointDataset
 
 from flair_fabric.data import MalformedLineError, MappedCorpus, UnsupportedDataPointError, map_corpus
@@ -75,4 +75,14 @@ def test_data_points_that_cannot_be_stored_are_refused_naming_what_is_supported(
         UnsupportedDataPointError, match=r"cannot store a DataTriple: supported are flair Sentences and DataPairs"
     ):
         map_corpus(_corpus(triple), cache_folder=tmp_path / "x")
+    with pytest.raises(UnsupportedDataPointError, match=r"cannot store a Image: supported are flair Sentences"):
+        map_corpus(_corpus(Image(imageURL="picture.png")), cache_folder=tmp_path / "x")
+    scored = Sentence("Ann met Bob")
+    scored.add_label("topic", "people", 0.5, source="a model")
+    with pytest.raises(UnsupportedDataPointError, match=r"cannot store label metadata \(topic=people\): supported"):
+        map_corpus(_corpus(scored), cache_folder=tmp_path / "x")
+    listed = Sentence("Ann met Bob")
+    listed.add_metadata("ids", [1, 2])
+    with pytest.raises(UnsupportedDataPointError, match=r"cannot store the metadata ids=\[1, 2\] \(list\)"):
+        map_corpus(_corpus(listed), cache_folder=tmp_path / "x")
     assert _entries(tmp_path / "x") == []

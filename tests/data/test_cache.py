@@ -4,6 +4,7 @@ a split pickles as its path."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -93,8 +94,12 @@ def test_a_cache_of_another_format_version_is_rebuilt_never_read(
     corpus = _open(tmp_path / "src", tmp_path / "c")
     meta_file = corpus.cache_folder / "meta.json"
     meta = json.loads(meta_file.read_text())
-    meta_file.write_text(json.dumps({**meta, "format_version": "0"}))
-    (corpus.cache_folder / "train.arrow").write_bytes(b"written by another version")
+    other = b"written by another version"  # with a complete record of it: only the format version tells
+    (corpus.cache_folder / "train.arrow").write_bytes(other)
+    meta["files"]["train.arrow"] = {"bytes": len(other), "sha256": hashlib.sha256(other).hexdigest()}
+    body = {key: value for key, value in {**meta, "format_version": "0"}.items() if key != "checksum"}
+    record = json.dumps(body, sort_keys=True).encode()
+    meta_file.write_text(json.dumps({**body, "checksum": hashlib.sha256(record).hexdigest()}))
     reopened = _open(tmp_path / "src", tmp_path / "c")
     assert reopened.built and reopened.cache_folder == corpus.cache_folder
     assert describe_split(reopened.train) == describe_split(corpus.train)

@@ -285,3 +285,17 @@ def test_the_builders_take_flairs_arguments_with_flairs_names_and_defaults(tmp_p
     )
     assert (stored.built, again.built) == (True, False)
     assert describe_split(again.train) == describe_split(stored.train)
+
+
+def test_map_corpus_drops_neighbour_links_that_do_not_follow_the_splits_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ColumnCorpus whose dev split flair sampled from train (a Subset: its sentences link to train's)."""
+    write(tmp_path / "col" / "train.txt", COLUMNS * 10)
+    random.seed(1)
+    sampled = ColumnCorpus(tmp_path / "col", COLUMN_FORMAT)
+    assert sampled.train[1].previous_sentence() is not None
+    with caplog.at_level("WARNING", logger="flair"):
+        mapped = map_corpus(sampled, cache_folder=tmp_path / "c")
+    assert "the sentences' neighbour links do not follow the splits' order; not kept" in caplog.text
+    assert mapped.train[1].previous_sentence() is None and len(mapped.dev) == len(sampled.dev) > 0
