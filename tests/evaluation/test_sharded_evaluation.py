@@ -432,9 +432,11 @@ def test_public_evaluate_with_the_script_relaunch_ends_the_job_when_a_rank_raise
             lines.append(process.stdout.readline())
         assert "injected failure while predicting on rank 0" in "".join(lines)
         deadline = time.monotonic() + 20  # rank 0 is alive: only the launch path can stop the relaunched rank
-        while _group_members(process.pid) != {process.pid} and time.monotonic() < deadline:
+        while _group_members(process.pid) - {process.pid} and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _group_members(process.pid) == {process.pid}, "the relaunched rank outlived rank 0's error"
+        # rank 0 itself may be gone by now: Lightning's child-process observer kills it (within 5 s) once the
+        # relaunched rank has died, which is what is asked here; rank 0 dies only after it
+        assert not _group_members(process.pid) - {process.pid}, "the relaunched rank outlived rank 0's error"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
