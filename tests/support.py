@@ -428,3 +428,12 @@ class GroupedByLength(FlairSampler):
         costs = [len(each) * max(lengths[index] for index in each) if len(each) == size else -1 for each in batches]
         batches.insert(0, batches.pop(costs.index(max(costs))))
         return iter([index for each in batches for index in each])
+
+
+def bio_tags(sentence: Any, label_type: str) -> list[str]:
+    """A sentence's spans of ``label_type`` as one BIO tag per token (``B-PER``, ``I-PER``, ``O``)."""
+    tags = ["O"] * len(sentence)
+    for span in sentence.get_spans(label_type):
+        first = span.tokens[0].idx - 1
+        tags[first : first + len(span)] = [f"B-{span.tag}"] + [f"I-{span.tag}"] * (len(span) - 1)
+    return tags

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-from flair.data import Sentence
 from flair.datasets import ColumnDataset
 from flair.models import SequenceTagger
 from torch.multiprocessing.spawn import ProcessRaisedException
@@ -18,17 +17,9 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 import flair_fabric
 from flair_fabric import cli
 
-from ..support import small_wnut, tiny_sequence_tagger
+from ..support import bio_tags, small_wnut, tiny_sequence_tagger
 
 NEW = "alien"  # a label type the tagger was not made with
-
-
-def _bio(sentence: Sentence, label_type: str) -> list[str]:
-    tags = ["O"] * len(sentence)
-    for span in sentence.get_spans(label_type):
-        first = span.tokens[0].idx - 1
-        tags[first : first + len(span)] = [f"B-{span.tag}"] + [f"I-{span.tag}"] * (len(span) - 1)
-    return tags
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,7 @@ def tagger_and_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
     assert len(sentences) >= 6, "enough sentences with entities"
     known, unseen = [], []
     for index, sentence in enumerate(sentences):
-        tags = _bio(sentence, label_type)
+        tags = bio_tags(sentence, label_type)
         changed = [tag[:2] + NEW if tag != "O" else tag for tag in tags] if index == 3 else tags
         for token, tag, other in zip(sentence, tags, changed, strict=True):
             known.append(f"{token.text}\t{tag}\n")

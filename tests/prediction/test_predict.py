@@ -40,6 +40,7 @@ from ..model_zoo import ZOO, points_of
 from ..support import (
     FABRIC_PRECISIONS,
     REPO,
+    bio_tags,
     expect_success,
     out_of_step_is_a_hang,
     run_script,
@@ -654,14 +655,6 @@ def test_the_command_line_passes_its_process_options_on_to_predict(
     assert {name: given.get(name, defaults[name]) for name in defaults} == defaults, "none given: the defaults"
 
 
-def _bio(sentence: Sentence, label_type: str) -> list[str]:
-    tags = ["O"] * len(sentence)
-    for span in sentence.get_spans(label_type):
-        first = span.tokens[0].idx - 1
-        tags[first : first + len(span)] = [f"B-{span.tag}"] + [f"I-{span.tag}"] * (len(span) - 1)
-    return tags
-
-
 def test_the_command_line_evaluate_scores_the_gold_column_as_flairs_evaluate(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -677,7 +670,7 @@ def test_the_command_line_evaluate_scores_the_gold_column_as_flairs_evaluate(
     assert any(sentence.get_spans(label_type) for sentence in sentences), "the tiny tagger predicts spans"
     lines = []
     for sentence in sentences:
-        for token, tag in zip(sentence, _bio(sentence, label_type), strict=True):
+        for token, tag in zip(sentence, bio_tags(sentence, label_type), strict=True):
             lines.append(f"{token.text}\t{tag}\tO\n")
         lines.append("\n")
     gold = tmp_path / "gold.conll"

@@ -64,19 +64,14 @@ trainer:
   base_path: {out}
 """
 
-FROM_THE_CORPUS = """\
-corpus:
-  class_path: flair_fabric.data.MappedCorpus.from_column_files
-  init_args: {{data_folder: {data}, column_format: {{0: text, 1: pos}}, cache_folder: {cache}}}
+FROM_THE_CORPUS = (
+    MAPPED
+    + """\
 embeddings:
   class_path: flair.embeddings.OneHotEmbeddings.from_corpus
   init_args: {{min_freq: 1, embedding_length: 8}}
-model:
-  class_path: flair.models.SequenceTagger
-  init_args: {{tag_type: pos, hidden_size: 8}}
-trainer:
-  base_path: {out}
 """
+)
 
 CLASS_ARGUMENTS = """\
 model:
