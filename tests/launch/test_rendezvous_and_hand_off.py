@@ -38,6 +38,19 @@ class _CreatesAFile:
         return (Path.touch, (self.path,))
 
 
+def test_the_job_spawned_workers_read_is_a_private_file_whatever_the_umask(tmp_path: Path) -> None:
+    from flair_fabric.launch import transport
+
+    previous = os.umask(0)
+    try:
+        transport.dump_private({"job": [1, 2]}, tmp_path / "job.pkl")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "job.pkl").stat().st_mode & 0o777 == 0o600
+    with (tmp_path / "job.pkl").open("rb") as file:
+        assert transport.load(file) == {"job": [1, 2]}
+
+
 def test_a_hand_off_file_is_private_and_loads_as_data_only(tmp_path: Path) -> None:
     save_private({"weights": torch.ones(2), "score": 0.5}, tmp_path / "result.pt")
     assert (tmp_path / "result.pt").stat().st_mode & 0o777 == 0o600
