@@ -161,8 +161,9 @@ def test_an_mlflow_file_store_mlflow_will_refuse_is_refused_before_any_data_is_r
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     loggers = "loggers:\n  - class_path: flair_fabric.MLflowTracker\n    init_args: {tracking_uri: TRACKING}\n"
-    for uri in (f"file:{tmp_path / 'mlruns'}", str(tmp_path / "mlruns")):
-        file = _write(tmp_path, CONFIG + loggers.replace("TRACKING", uri))
+    lightnings = loggers.replace("flair_fabric.MLflowTracker", "lightning.pytorch.loggers.MLFlowLogger")
+    for uri, listed in ((f"file:{tmp_path / 'mlruns'}", loggers), (str(tmp_path / "mlruns"), lightnings)):
+        file = _write(tmp_path, CONFIG + listed.replace("TRACKING", uri))
         message = _refusal([str(file)])
         assert message.startswith(f"{file}:{_line_of(file, 'loggers:')}: loggers[0].init_args.tracking_uri:")
         assert "MLFLOW_ALLOW_FILE_STORE=true" in message
