@@ -58,8 +58,7 @@ def _lightning_options(parser: argparse.ArgumentParser) -> None:
     for each in fields(LightningArguments):
         default = "default: 32-true" if each.name == "precision" else f"default: {each.default}"
         shown = each.metadata["cli"] + ("" if "default" in each.metadata["cli"] else f" ({default})")
-        option_type = int if each.name == "num_nodes" else _number_or_text
-        group.add_argument(f"--{each.name.replace('_', '-')}", type=option_type, default=None, help=shown)
+        group.add_argument(f"--{each.name.replace('_', '-')}", type=_number_or_text, default=None, help=shown)
     parser.add_argument("--mini-batch-size", type=int, default=32, help="data points per batch (default: 32)")
 
 

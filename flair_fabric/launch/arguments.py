@@ -40,7 +40,15 @@ class LightningArguments:
             cli="devices (processes) per machine: a number, -1 (all GPUs) or auto",
         ),
     )
-    num_nodes: int = field(default=1, metadata=_about("number of machines", "int >= 1", cli="number of machines"))
+    num_nodes: int | str = field(
+        default="auto",
+        metadata=_about(
+            'number of machines; `"auto"`: what torchrun/SLURM started (it may change between an elastic agent\'s'
+            " restarts), else 1",
+            'int >= 1, `"auto"`',
+            cli="number of machines, or auto (what torchrun/SLURM started, else 1)",
+        ),
+    )
     strategy: Any = field(
         default="auto",
         metadata=_about(

@@ -54,7 +54,8 @@ use_this_ranks_gpu()  # before the user's script builds its model on flair's def
 DevicesArgument = int | str | Sequence[int]
 StrategyArgument = str | Strategy
 
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+AUTO = "auto"
+ACCELERATORS = (AUTO, "cpu", "cuda", "gpu", "mps")
 _GPU_ONLY_PRECISIONS = ("16-mixed", "16-true")
 
 
@@ -243,7 +244,7 @@ def check_start_method(strategy: StrategyArgument, launched: ExternalLaunch | No
         )
 
 
-def check_external_launch(devices: int | list[int], num_nodes: int, launched: ExternalLaunch | None) -> None:
+def check_external_launch(devices: int | list[int], num_nodes: int | str, launched: ExternalLaunch | None) -> None:
     """``devices`` and ``num_nodes`` must match what torchrun or SLURM started, or every process would hang."""
     if launched is None:
         return
@@ -252,22 +253,37 @@ def check_external_launch(devices: int | list[int], num_nodes: int, launched: Ex
         raise ValueError(
             f"devices={devices!r}, but {launched.description}: pass devices={launched.devices} or devices='auto'."
         )
-    if num_nodes != launched.num_nodes:
-        raise ValueError(f"num_nodes={num_nodes}, but {launched.description}: pass num_nodes={launched.num_nodes}.")
+    if num_nodes != AUTO and num_nodes != launched.num_nodes:
+        raise ValueError(
+            f"num_nodes={num_nodes}, but {launched.description}: pass num_nodes='auto' (it follows the launcher, also"
+            f" when an elastic agent restarts the job on another number of nodes) or num_nodes={launched.num_nodes}."
+        )
 
 
-def check_num_nodes(num_nodes: Any) -> int:
-    """Check ``num_nodes``: a positive int."""
+def check_num_nodes(num_nodes: Any) -> int | str:
+    """Check ``num_nodes``: a positive int, or ``"auto"``."""
+    if num_nodes == AUTO:
+        return AUTO
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ValueError(f"num_nodes={num_nodes!r} is not valid: pass the number of machines, a positive int.")
+        raise ValueError(
+            f"num_nodes={num_nodes!r} is not valid: pass the number of machines, a positive int, or 'auto' (what"
+            " torchrun or SLURM started, else 1)."
+        )
     return num_nodes
+
+
+def resolve_num_nodes(num_nodes: int | str, launched: ExternalLaunch | None) -> int:
+    """The number of machines: ``num_nodes`` as given; for ``"auto"`` the launcher's (torchrun's, SLURM's), else 1."""
+    if num_nodes != AUTO:
+        return int(num_nodes)
+    return launched.num_nodes if launched is not None else 1
 
 
 def make_launch_config(
     *,
     accelerator: str,
     devices: DevicesArgument,
-    num_nodes: int,
+    num_nodes: int | str,
     strategy: StrategyArgument,
     precision: str | int | None,
     use_amp: bool = False,
@@ -284,10 +300,11 @@ def make_launch_config(
     timeout = timeout_of(strategy) or timeout
     concrete_accelerator = resolve_accelerator(accelerator)
     resolved_devices = resolve_devices(devices, concrete_accelerator)
-    nodes = check_num_nodes(num_nodes)
+    given_nodes = check_num_nodes(num_nodes)
     resolved_precision = resolve_precision(precision, use_amp, concrete_accelerator)
     launched = external_launch()
-    check_external_launch(resolved_devices, nodes, launched)
+    check_external_launch(resolved_devices, given_nodes, launched)
+    nodes = resolve_num_nodes(given_nodes, launched)
     count = resolved_devices if isinstance(resolved_devices, int) else len(resolved_devices)
     resolved_strategy = resolve_strategy(
         strategy,

@@ -108,8 +108,8 @@ TORCHRUN_ENV = {
     ("overrides", "message"),
     [
         ({"devices": 3, "num_nodes": 2}, r"devices=3, but torchrun started 4 process\(es\), 2 per node.*devices=2"),
-        ({"devices": 2}, r"num_nodes=1, but torchrun started 4 process\(es\).*pass num_nodes=2"),
-        ({"devices": 2, "num_nodes": 3}, r"num_nodes=3, but torchrun started 4 process\(es\).*pass num_nodes=2"),
+        ({"devices": 2}, r"num_nodes=1, but torchrun started 4 process\(es\).*num_nodes='auto'.* or num_nodes=2"),
+        ({"devices": 2, "num_nodes": 3}, r"num_nodes=3, but torchrun started 4 process\(es\).* or num_nodes=2"),
         ({"devices": 1, "num_nodes": 2}, r"devices=1, but torchrun started 4 process\(es\), 2 per node.*devices=2"),
         ({"num_nodes": 2, "strategy": "ddp_spawn"}, r"the processes exist already.*use strategy='ddp'"),
     ],
@@ -123,6 +123,26 @@ def test_torchrun_mismatch_is_an_error_not_a_hang(
         _config(**overrides)
     config = _config(devices="auto", num_nodes=2)
     assert (config.devices, config.world_size) == (2, 4)
+
+
+def test_num_nodes_auto_follows_torchrun_and_slurm_and_is_one_for_a_plain_script(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README: num_nodes="auto" (the default) is what torchrun or SLURM started, else 1; what an elastic agent
+    sets after a restart on fewer nodes is followed, with nothing in the script to change."""
+    assert _config(num_nodes="auto").num_nodes == 1, "a plain script: one machine"
+    for world_size, nodes in (("4", 2), ("2", 1), ("6", 3)):  # an elastic agent's restarts: 2 nodes, then 1, then 3
+        for name, value in {**TORCHRUN_ENV, "WORLD_SIZE": world_size}.items():
+            monkeypatch.setenv(name, value)
+        config = _config(devices="auto", num_nodes="auto")
+        assert (config.num_nodes, config.world_size) == (nodes, int(world_size))
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name)
+    slurm = {"SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "2", "SLURM_JOB_NAME": "train"}
+    for name, value in {**slurm, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    config = _config(devices="auto", num_nodes="auto")
+    assert (config.num_nodes, config.world_size) == (2, 4)
 
 
 def test_slurm_mismatch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -256,6 +256,25 @@ def test_two_nodes_without_a_shared_disk(tmp_path: Path) -> None:
         assert labels["ours"] == labels["flair"] and all(labels["ours"]), node
 
 
+def test_an_elastic_torchrun_job_takes_its_number_of_nodes_from_the_agents(tmp_path: Path) -> None:
+    """Two elastic agents (``--nnodes=1:2``, c10d rendezvous) on one machine, a script that names no ``num_nodes``
+    (``"auto"``, the default): the job runs on the 2 nodes that joined, one world of 2 processes, ranks equal."""
+    kwargs = {"max_epochs": 1, "mini_batch_size": 4, "devices": "auto", "accelerator": "cpu"}
+    runs = [{"name": "elastic", "method": "train", "kwargs": kwargs}]
+    config = write_config(tmp_path / "config.json", {"out": str(tmp_path), "runs": runs})
+
+    def commands_for(port: int) -> list[tuple[list[str], dict[str, str]]]:
+        elastic = ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+        elastic += ["--rdzv-id=elastic-test", "--local-addr=127.0.0.1", "--max-restarts=0"]
+        return [([TORCHRUN, *elastic, str(SCRIPTS / "ddp_runs.py"), str(config)], script_env()) for _ in (0, 1)]
+
+    run_together_on_a_free_port(commands_for)
+    summaries = [json.loads((tmp_path / "elastic" / f"summary-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(summary["world_size"], summary["node_rank"]) for summary in summaries] == [(2, 0), (2, 1)]
+    weights = [_final_weights(tmp_path / "elastic", rank) for rank in (0, 1)]
+    assert state_dict_difference(weights[0], weights[1]) == 0.0
+
+
 def test_slurm_job_with_two_tasks(tmp_path: Path) -> None:
     runs = [
         {

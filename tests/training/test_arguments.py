@@ -106,13 +106,13 @@ def test_bad_argument_is_refused_before_launch(
     assert not (tmp_path / "training.log").exists()
 
 
-@pytest.mark.parametrize("num_nodes", [0, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("num_nodes", [0, -1, 1.5, True, "2", "AUTO", None])
 def test_num_nodes_must_be_a_positive_int(num_nodes: Any) -> None:
     """README: num_nodes takes an int >= 1; anything else is refused by name, with the fix (the check on its own: a
     0 let through would fail later with another error, in a division by the number of machines)."""
     with pytest.raises(ValueError, match=r"num_nodes=.* is not valid: pass the number of machines, a positive int"):
         check_num_nodes(num_nodes)
-    assert check_num_nodes(3) == 3
+    assert check_num_nodes(3) == 3 and check_num_nodes("auto") == "auto"
 
 
 def test_more_gpus_than_the_machine_has(monkeypatch: pytest.MonkeyPatch) -> None:
