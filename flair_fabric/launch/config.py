@@ -32,6 +32,7 @@ from flair_fabric.launch.environment import (
     cuda_driver_initialized,
     cuda_is_initialized,
     external_launch,
+    foreign_process_group_size,
     is_interactive,
     quiet_lightning_banner,
     use_this_ranks_gpu,
@@ -260,6 +261,24 @@ def check_external_launch(devices: int | list[int], num_nodes: int | str, launch
         )
 
 
+def check_no_foreign_process_group(world_size: int, launched: ExternalLaunch | None) -> None:
+    """Refuse a run inside a process group that another engine made (Ray Train makes one of N before the training
+    function runs, and sets no variable Fabric reads): the run would be a world of its own, and N copies would each
+    train alone into the same ``base_path``, in silence. Under torchrun or SLURM a group of the run's size is the
+    run's own (a script may make it first)."""
+    existing = foreign_process_group_size()
+    if existing is None or (existing == world_size and (launched is not None or world_size == 1)):
+        return
+    raise ValueError(
+        f"this process is one of {existing} in a process group that exists already (made by Ray Train, another engine,"
+        f" or the script), but this run would be {world_size} process(es) of its own, started"
+        f" {'by ' + launched.launcher if launched else 'here'}: each of the {existing} would train alone. flair-fabric"
+        " does not run inside another engine's process group yet: start the job with torchrun or SLURM (devices and"
+        " num_nodes 'auto'), or with devices=N from one process, or destroy the group first"
+        " (torch.distributed.destroy_process_group())."
+    )
+
+
 def check_num_nodes(num_nodes: Any) -> int | str:
     """Check ``num_nodes``: a positive int, or ``"auto"``."""
     if num_nodes == AUTO:
@@ -314,6 +333,7 @@ def make_launch_config(
         interactive=launched is None and is_interactive(),
         timeout=timeout,
     )
+    check_no_foreign_process_group(count * nodes, launched)
     check_start_method(resolved_strategy, launched, concrete_accelerator)
     check_strategy(resolved_strategy, concrete_accelerator, resolved_precision)
     return LaunchConfig(concrete_accelerator, resolved_devices, nodes, resolved_strategy, resolved_precision, timeout)

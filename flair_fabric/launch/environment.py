@@ -59,6 +59,25 @@ def external_launch() -> ExternalLaunch | None:
     return None
 
 
+_own_process_group: list[object] = []  # the default process group a run of flair-fabric made in this process
+
+
+def mark_process_group_as_own() -> None:
+    """Remember the default process group as one a run of this process made (a later run of the same script, on the
+    same ranks, goes on in it)."""
+    _own_process_group[:] = [torch.distributed.group.WORLD] if torch.distributed.is_initialized() else []
+
+
+def foreign_process_group_size() -> int | None:
+    """The number of processes of a default process group this process is in already that no run of flair-fabric
+    made (Ray Train's, another engine's, the script's own), or ``None`` where there is none."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    if _own_process_group and _own_process_group[0] is torch.distributed.group.WORLD:
+        return None
+    return int(torch.distributed.get_world_size())
+
+
 def started_by_mpi_launcher() -> bool:
     """Whether ``mpirun``/``mpiexec`` started this process (one of :data:`MPI_LAUNCHER_VARIABLES` is set)."""
     return any(name in os.environ for name in MPI_LAUNCHER_VARIABLES)

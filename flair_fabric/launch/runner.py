@@ -44,7 +44,7 @@ from torch.multiprocessing import ProcessExitedException
 from flair_fabric.distributed.stalls import Position, explain_timeouts, prepare_patient_group
 from flair_fabric.launch import transport
 from flair_fabric.launch.config import LaunchConfig, build_fabric
-from flair_fabric.launch.environment import environment_restored, external_launch
+from flair_fabric.launch.environment import environment_restored, external_launch, mark_process_group_as_own
 from flair_fabric.launch.failures import (
     FORWARDED_SIGNAL,
     exit_with_parent,
@@ -249,6 +249,7 @@ def _on_rank(fabric: Fabric, job: Job, timeout: timedelta) -> Any:
     for on; then the job."""
     flair.device = fabric.device
     relaunched = "LOCAL_RANK" in os.environ and external_launch() is None and fabric.local_rank > 0
+    mark_process_group_as_own()
     if relaunched or multiprocessing.parent_process() is not None:
         exit_with_parent()  # a copy of the script, or a worker, must not outlive the process that started it
     with log_on_global_zero_only(fabric), explain_timeouts(fabric, job.position, timeout):

@@ -214,3 +214,44 @@ def test_find_unused_parameters_suffixes_force_ddps_search_on_or_off(name: str) 
         assert strategy.find_unused_parameters is forced, name + suffix
         assert strategy.start_method == _config(strategy=name).strategy.start_method  # type: ignore[union-attr]
     assert _config(strategy=name).strategy.find_unused_parameters == "auto"  # type: ignore[union-attr]
+
+
+def _train_inside_a_group_made_elsewhere(rank: int, port: int, base_path: str, answers: Any) -> None:
+    """What Ray Train does before a training function runs: a gloo group of 2, made without the variables Fabric
+    reads; then the training function calls FabricTrainer as a user would (devices='auto')."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    corpus = small_trec(train_size=8, dev_size=2, test_size=2)
+    try:
+        FabricTrainer(tiny_text_classifier(corpus), corpus).train(f"{base_path}/{rank}", max_epochs=1)
+        answers.put((rank, "trained"))
+    except ValueError as refused:
+        answers.put((rank, str(refused)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_run_inside_a_process_group_another_engine_made_is_refused_not_trained_alone(tmp_path: Path) -> None:
+    """Never N copies training alone in silence: each process of a group of 2 made elsewhere is refused, naming the
+    group's size and what to do, before anything is written."""
+    import multiprocessing
+
+    from ..support import free_port
+
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    port = free_port()
+    ranks = [
+        context.Process(target=_train_inside_a_group_made_elsewhere, args=(r, port, str(tmp_path), answers))
+        for r in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    told = dict(answers.get(timeout=5) for _ in ranks)
+    for rank in (0, 1):
+        assert "one of 2 in a process group that exists already" in told[rank], told[rank]
+        assert "would be 1 process(es)" in told[rank] and "torchrun or SLURM" in told[rank]
+    assert not any(tmp_path.iterdir()), "nothing written"
