@@ -74,9 +74,9 @@ def parser() -> argparse.ArgumentParser:
 
     predict = commands.add_parser("predict", help="label a file with a trained model, split across processes")
     predict.add_argument("--model", required=True, help="a model file saved by flair")
-    predict.add_argument("--input", required=True, help="the file to label")
+    predict.add_argument("--input", required=True, help="the file to label (a path or URL: s3://bucket/in.txt)")
     predict.add_argument("--input-format", choices=INPUT_FORMATS, default="text", help="text: a sentence per line")
-    predict.add_argument("--output", required=True, help="the file to write (written once, complete)")
+    predict.add_argument("--output", required=True, help="the file to write (written once, complete; or a URL)")
     predict.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None, help="default: from the suffix")
     predict.add_argument("--tokenizer", choices=("segtok", "space"), default="segtok", help="for text input")
     predict.add_argument("--label-name", default=None, help="the label name to write (default: the model's)")
@@ -100,6 +100,22 @@ def parser() -> argparse.ArgumentParser:
     return main
 
 
+def _checked_urls(given: str, output: str) -> bool:
+    """``True`` when ``--input`` is a URL: it and a URL ``--output`` are checked (one line naming the option, the
+    path and the fix, else ``SystemExit``); a local ``--output`` is checked by ``flair_fabric.predict``."""
+    from flair_fabric.storage import StorageError, check_reachable, is_url
+
+    try:
+        if is_url(output):
+            check_reachable(output, argument="--output", expect="folder")
+        if is_url(given):
+            check_reachable(given, argument="--input")
+            return True
+    except StorageError as error:
+        raise SystemExit(str(error)) from None
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -112,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return cache(words[1:])
     args = parser().parse_args(words)
-    if not Path(args.input).is_file():
+    url_input = args.command == "predict" and _checked_urls(args.input, args.output)  # before the model loads
+    if not url_input and not Path(args.input).is_file():
         raise SystemExit(f"--input {args.input}: no such file.")
     import flair_fabric  # here, after the arguments are known to be usable: torch, flair and Lightning load now
 

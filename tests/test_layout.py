@@ -33,6 +33,7 @@ LAYERS = [
         "flair_fabric.launch.arguments",
         "flair_fabric.datasets",
         "flair_fabric.data",
+        "flair_fabric.storage",
     ),
     ("flair_fabric.strategies",),
     ("flair_fabric.launch",),

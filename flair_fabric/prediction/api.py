@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -39,7 +39,7 @@ from flair_fabric.prediction.sharding import (
     predict_across_ranks,
     put_labels,
 )
-from flair_fabric.state.model_files import write_atomically
+from flair_fabric.storage import check_reachable, is_url, write_atomically
 
 log = logging.getLogger("flair")
 
@@ -68,13 +68,14 @@ class NotSplit:
 
 @dataclass
 class _Stream:
-    path: Path
+    path: str | Path  # a local path, or a URL (flair_fabric.storage)
     input_format: str
-    out_path: Path
+    out_path: str | Path
     output_format: str
     tokenizer: Any
     chunk_size: int
     progress_bar: bool
+    storage_options: Mapping[str, Any] | None = None
 
 
 class PredictionJob(Job):
@@ -128,13 +129,13 @@ def _put_labels(data: Sequence[DataPoint], predicted: Predicted | None) -> None:
 
 def _records(stream: _Stream) -> Iterator[Record]:
     if stream.input_format == "conll":
-        return read_conll(stream.path)
-    return read_text(stream.path, stream.tokenizer)
+        return read_conll(stream.path, storage_options=stream.storage_options)
+    return read_text(stream.path, stream.tokenizer, storage_options=stream.storage_options)
 
 
 def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwargs: dict[str, Any]) -> Any:
     """Every rank reads the same chunk of records and predicts its share; global rank 0 writes them in input order
-    to a temporary file, renamed to ``out_path`` when every record is accounted for."""
+    to a local temporary file, renamed to ``out_path`` (uploaded whole to a URL) when every record is accounted for."""
     summary, started = PredictionSummary(), time.time()
     names = label_names_of(model, kwargs.get("label_name"))
     write = WRITERS[stream.output_format]
@@ -162,7 +163,7 @@ def _predict_stream(fabric: Fabric, model: flair.nn.Model, stream: _Stream, kwar
             raise RuntimeError(f"{summary.read} records read, {summary.predicted} predicted, {summary.skipped} skipped")
 
     if fabric.is_global_zero:
-        write_atomically(stream.out_path, predict_all)
+        write_atomically(stream.out_path, predict_all, stream.storage_options)
     else:
         predict_all(os.devnull)
     bar.close()
@@ -194,6 +195,7 @@ def predict(
     tokenizer: Any = True,
     chunk_size: int | None = None,
     progress_bar: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     mini_batch_size: int = 32,
     return_probabilities_for_all_classes: bool = False,
     verbose: bool = False,
@@ -211,6 +213,9 @@ def predict(
     ``"jsonl"`` or ``"conll"``, by default from its suffix) by global rank 0; returns a :class:`PredictionSummary`.
     A streamed run shows a progress bar (global data points, and per second) on global rank 0: ``progress_bar=None``
     when standard error is a terminal, ``True`` always, ``False`` never.
+    ``data`` and ``out_path`` may be fsspec URLs (``s3://bucket/in.txt``; docs/storage.md): the input is streamed
+    from the store, the output uploaded whole; ``storage_options`` passes the filesystem's options (credentials,
+    endpoint) where the environment does not.
     Takes flair's ``predict`` arguments plus Lightning's, which start processes as
     :class:`~flair_fabric.FabricTrainer` does. A model that puts labels where they cannot be moved between processes
     (none of flair's own) is predicted by flair's ``predict`` in the calling process (on every rank of a script),
@@ -230,7 +235,15 @@ def predict(
     if isinstance(data, str | Path):
         shows_bar = os.isatty(2) if progress_bar is None else progress_bar
         stream = _checked_stream(
-            Path(data), input_format, out_path, output_format, tokenizer, chunk_size, config, shows_bar
+            data if is_url(data) else Path(data),
+            input_format,
+            out_path,
+            output_format,
+            tokenizer,
+            chunk_size,
+            config,
+            shows_bar,
+            storage_options,
         )
         return run_job(PredictionJob(model, stream, kwargs), config)
     data_points = [data] if isinstance(data, DataPoint) else list(data)
@@ -244,8 +257,20 @@ def predict(
     return data
 
 
+def _check_local_input(path: Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"data={str(path)!r} is not a file: pass an existing input file (or a list of data points).")
+    if path.stat().st_size == 0:
+        raise ValueError(f"data={str(path)!r} is empty: there is nothing to predict.")
+
+
+def _check_local_output(out: Path, out_path: str | Path) -> None:
+    if not out.parent.is_dir():
+        raise ValueError(f"out_path={str(out_path)!r}: its folder does not exist; create it first.")
+
+
 def _checked_stream(
-    path: Path,
+    path: str | Path,
     input_format: str,
     out_path: str | Path | None,
     output_format: str | None,
@@ -253,18 +278,23 @@ def _checked_stream(
     chunk_size: int | None,
     config: Any,
     progress_bar: bool,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> _Stream:
-    if not path.is_file():
-        raise ValueError(f"data={str(path)!r} is not a file: pass an existing input file (or a list of data points).")
-    if path.stat().st_size == 0:
-        raise ValueError(f"data={str(path)!r} is empty: there is nothing to predict.")
+    if isinstance(path, Path):
+        _check_local_input(path)
+    elif check_reachable(path, argument="data", storage_options=storage_options)["size"] == 0:
+        raise ValueError(f"data={path!r} is empty: there is nothing to predict.")
     check_format("input_format", input_format, INPUT_FORMATS)
     if out_path is None:
         raise ValueError("out_path is needed when data is a file: pass the file the predictions are written to.")
     out = Path(out_path)
-    if not out.parent.is_dir():
-        raise ValueError(f"out_path={str(out_path)!r}: its folder does not exist; create it first.")
+    if is_url(out_path):  # the bucket (or folder) the output is uploaded into
+        check_reachable(str(out_path), argument="out_path", storage_options=storage_options, expect="folder")
+    else:
+        _check_local_output(out, out_path)
     size = chunk_size if chunk_size is not None else 64 * config.world_size * 32
     if size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not valid: pass a positive whole number.")
-    return _Stream(path, input_format, out, output_format_for(out, output_format), tokenizer, size, progress_bar)
+    target = str(out_path) if is_url(out_path) else out
+    format_out = output_format_for(out, output_format)
+    return _Stream(path, input_format, target, format_out, tokenizer, size, progress_bar, storage_options)

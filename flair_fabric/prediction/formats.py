@@ -9,7 +9,7 @@ what it skipped and where, and count that every record came out.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -18,6 +18,7 @@ from flair.data import Relation, Sentence, Span, Token
 from flair.tokenization import Tokenizer
 
 from flair_fabric.prediction import OUTPUT_FORMATS
+from flair_fabric.storage import open_input
 
 MAX_CHARACTERS = 100_000
 
@@ -46,8 +47,8 @@ def output_format_for(path: Path, output_format: str | None) -> str:
     return "conll" if path.suffix in (".conll", ".tsv") else "jsonl"
 
 
-def _decoded_lines(path: Path) -> Iterator[tuple[int, str | None]]:
-    with path.open("rb") as stream:
+def _decoded_lines(path: str | Path, options: Mapping[str, Any] | None) -> Iterator[tuple[int, str | None]]:
+    with open_input(path, options) as stream:  # a URL's file is streamed from the store
         for number, raw in enumerate(stream, start=1):
             try:
                 yield number, raw.decode("utf-8").rstrip("\r\n")
@@ -55,9 +56,14 @@ def _decoded_lines(path: Path) -> Iterator[tuple[int, str | None]]:
                 yield number, None
 
 
-def read_text(path: Path, tokenizer: Tokenizer | bool, max_characters: int = MAX_CHARACTERS) -> Iterator[Record]:
+def read_text(
+    path: str | Path,
+    tokenizer: Tokenizer | bool,
+    max_characters: int = MAX_CHARACTERS,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[Record]:
     """One sentence per line, tokenized as flair's ``Sentence(text, use_tokenizer=tokenizer)`` does."""
-    for number, line in _decoded_lines(path):
+    for number, line in _decoded_lines(path, storage_options):
         if line is None:
             yield Record(number, problem="not UTF-8")
         elif not line.strip():
@@ -68,12 +74,14 @@ def read_text(path: Path, tokenizer: Tokenizer | bool, max_characters: int = MAX
             yield Record(number, Sentence(line, use_tokenizer=tokenizer))
 
 
-def read_conll(path: Path, max_characters: int = MAX_CHARACTERS) -> Iterator[Record]:
+def read_conll(
+    path: str | Path, max_characters: int = MAX_CHARACTERS, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[Record]:
     """CoNLL columns (token first, whitespace or tab separated), sentences separated by blank lines; ``#`` comments
     are skipped."""
     block: list[list[str]] = []
     start, problem = 0, None
-    for number, line in _decoded_lines(path):
+    for number, line in _decoded_lines(path, storage_options):
         if line is not None and not line.strip():
             if block or problem:
                 yield _conll_record(start, block, problem, max_characters)

@@ -21,16 +21,17 @@ from typing import Any
 
 from jsonargparse import Namespace
 
-from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, explain, where
+from flair_fabric.shell.errors import ConfigError, check_yaml, config_files, explain, inlined, where
 from flair_fabric.shell.options import PROG, all_keys, config_argv, make_parser, method_given
 
 FOLDER_SUFFIXES = ("folder", "_dir", "_path")
 PRINT_CONFIG = "--print_config"
 
 
-def _parse(parser: Any, argv: Sequence[str], method: str, **kwargs: Any) -> Any:
+def _parse(parser: Any, argv: Sequence[str], method: str, texts: Sequence[str] | None = None, **kwargs: Any) -> Any:
+    """``texts``: ``argv`` with URL config files as their text (:func:`inlined`); messages name ``argv``'s files."""
     try:
-        return parser.parse_args(list(argv), **kwargs)
+        return parser.parse_args(list(argv if texts is None else texts), **kwargs)
     except argparse.ArgumentError as error:
         raise explain(str(error), argv, all_keys(method)) from None
 
@@ -87,11 +88,12 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
     method = method_given(argv)
     print_config = PRINT_CONFIG in argv
     argv = [each for each in argv if each != PRINT_CONFIG]
+    texts = inlined(argv)  # each URL config file read once, through flair_fabric.storage
     helped = _class_help(argv)
     if helped is not None:  # `--model.help CLASS`: jsonargparse's help of a class, from the second pass
         first = Namespace(**{helped[0]: {"class_path": helped[1]}})
     else:
-        first = _parse(make_parser(method), argv, method)
+        first = _parse(make_parser(method), argv, method, texts)
         check_data_folders(first.get("corpus"), argv)
         check_tracker_stores(first.get("loggers"), argv)
 
@@ -99,8 +101,8 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
     from flair_fabric.shell.record import resolved_config
 
     parser = second_pass_parser(method, first)
-    config = _parse(parser, argv, method)
-    given = _parse(parser, argv, method, defaults=False)
+    config = _parse(parser, argv, method, texts)
+    given = _parse(parser, argv, method, texts, defaults=False)
     if print_config:
         print(resolved_config(parser, config, given), end="")
         raise SystemExit(0)

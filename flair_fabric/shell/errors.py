@@ -10,23 +10,44 @@ from pathlib import Path
 
 import yaml
 
+from flair_fabric.storage import StorageError, check_reachable, is_url, read_text
+
 
 class ConfigError(ValueError):
     """A config that cannot train; the message names the key, and where it was given."""
 
 
-def config_files(argv: Sequence[str]) -> list[Path]:
-    """The ``--config`` files of a command line, in order."""
-    return [Path(argv[i + 1]) for i, each in enumerate(argv[:-1]) if each == "--config"]
+def config_files(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order: local paths or URLs (``s3://bucket/run.yaml``)."""
+    return [argv[i + 1] for i, each in enumerate(argv[:-1]) if each == "--config"]
 
 
-def check_yaml(files: Sequence[Path]) -> None:
-    """Each config file exists and is YAML; else the file and the line of the mistake."""
+def config_text(file: str | Path) -> str:
+    """A config file's text, from a local path or through :mod:`flair_fabric.storage` for a URL."""
+    return read_text(file) if is_url(file) else Path(file).read_text(encoding="utf-8")
+
+
+def inlined(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each URL config file replaced by its text (jsonargparse reads a ``--config`` value that is no
+    local file as YAML): the parser never opens a URL itself, and the messages still name the URL."""
+    return [
+        config_text(each) if index > 0 and argv[index - 1] == "--config" and is_url(each) else each
+        for index, each in enumerate(argv)
+    ]
+
+
+def check_yaml(files: Sequence[str | Path]) -> None:
+    """Each config file exists (a URL: can be read) and is YAML; else the file and the line of the mistake."""
     for file in files:
-        if not file.is_file():
+        if is_url(file):
+            try:
+                check_reachable(str(file), argument="config file")
+            except StorageError as error:
+                raise ConfigError(str(error)) from None
+        elif not Path(file).is_file():
             raise ConfigError(f"{file}: no such config file.")
         try:
-            yaml.safe_load(file.read_text(encoding="utf-8"))
+            yaml.safe_load(config_text(file))
         except yaml.YAMLError as error:
             problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
             context, opened = getattr(error, "context", None), getattr(error, "context_mark", None)
@@ -37,9 +58,9 @@ def check_yaml(files: Sequence[Path]) -> None:
             raise ConfigError(f"{file}{f':{line}' if line else ''}: YAML syntax error: {text}.") from None
 
 
-def _line(file: Path, path: Sequence[str]) -> tuple[int, int] | None:
+def _line(file: str, path: Sequence[str]) -> tuple[int, int] | None:
     """(depth found, line) of the deepest node along ``path`` in one file; ``None`` where its first key is absent."""
-    node = yaml.compose(file.read_text(encoding="utf-8"))
+    node = yaml.compose(config_text(file))
     found = None
     for depth, key in enumerate(path):
         if not isinstance(node, yaml.MappingNode):

@@ -120,12 +120,14 @@ def method_given(argv: Sequence[str]) -> str:
     trainer's defaults depend on it."""
     import yaml
 
+    from flair_fabric.shell.errors import config_text
+
     method = DEFAULT_METHOD
     for index, argument in enumerate(argv):
         if argument == "--config" and index + 1 < len(argv):
             try:
-                loaded = yaml.safe_load(Path(argv[index + 1]).read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError):
+                loaded = yaml.safe_load(config_text(argv[index + 1]))
+            except (OSError, ValueError, yaml.YAMLError):
                 continue  # the parser reports it, with the file and line
             trainer = loaded.get("trainer") if isinstance(loaded, dict) else None
             if isinstance(trainer, dict) and trainer.get("method") in METHODS:

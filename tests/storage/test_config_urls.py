@@ -1,0 +1,73 @@
+"""``python -m flair_fabric train s3://bucket/run.yaml``: a config file in the bucket is checked as a local one, and
+its mistakes name ``s3://bucket/run.yaml:LINE`` (the line counted in the text written here)."""
+
+from __future__ import annotations
+
+import fsspec
+import pytest
+import yaml
+
+from flair_fabric.shell.command import checked_config
+from flair_fabric.shell.errors import ConfigError
+
+from ..shell.test_config_checks import CONFIG
+from ..storage_server import BUCKET, SECRET, S3Server
+
+
+def _put(name: str, text: str) -> str:
+    url = f"s3://{BUCKET}/configs/{name}"
+    fsspec.filesystem("s3").pipe(url, text.encode("utf-8"))
+    return url
+
+
+def _line_of(text: str, part: str) -> int:
+    return next(number for number, line in enumerate(text.splitlines(), 1) if part in line)
+
+
+def test_a_config_in_the_bucket_passes_the_checks_and_a_local_file_may_override_it(
+    s3: S3Server, tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture
+) -> None:
+    url = _put("run.yaml", CONFIG)
+    _, config, _ = checked_config([url])
+    assert (config.trainer.method, config.trainer.max_epochs, config.seed) == ("fine_tune", 2, 3)
+    assert config.corpus.init_args.train_size == 24
+    override = tmp_path_factory.mktemp("local") / "more.yaml"
+    override.write_text("trainer:\n  max_epochs: 5\n", encoding="utf-8")
+    _, config, _ = checked_config([url, str(override)])
+    assert config.trainer.max_epochs == 5
+    with pytest.raises(SystemExit):
+        checked_config([url, "--print_config"])
+    printed = capsys.readouterr().out
+    resolved = yaml.safe_load(printed)
+    assert resolved["trainer"]["max_epochs"] == 2 and resolved["corpus"]["init_args"]["train_size"] == 24
+    assert SECRET not in printed and "config" not in resolved
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (("max_epochs: 2", "max_epochs: two"), "trainer.max_epochs"),
+        (("model:", "modle:"), "modle"),
+        (("train_size: 24", "train_size: many"), "corpus.init_args.train_size"),
+    ],
+)
+def test_a_mistake_in_a_config_in_the_bucket_names_its_url_and_line(
+    s3: S3Server, change: tuple[str, str], key: str
+) -> None:
+    text = CONFIG.replace(*change)
+    url = _put("wrong.yaml", text)
+    with pytest.raises(ConfigError) as refused:
+        checked_config([url])
+    assert str(refused.value).startswith(f"{url}:{_line_of(text, change[1])}: {key}:"), str(refused.value)
+
+
+def test_a_yaml_mistake_or_a_missing_config_in_the_bucket_is_one_line_naming_the_url(s3: S3Server) -> None:
+    text = CONFIG.replace("max_epochs: 2", "max_epochs: [2")
+    url = _put("broken.yaml", text)
+    with pytest.raises(ConfigError) as refused:
+        checked_config([url])
+    assert str(refused.value).startswith(f"{url}:{_line_of(text, 'max_epochs: [2')}: YAML syntax error")
+    missing = f"s3://{BUCKET}/configs/absent.yaml"
+    with pytest.raises(ConfigError) as refused:
+        checked_config([missing])
+    assert str(refused.value) == f"config file={missing!r}: no such file."
