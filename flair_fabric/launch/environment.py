@@ -13,6 +13,7 @@ import ctypes
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,13 +60,16 @@ def external_launch() -> ExternalLaunch | None:
     return None
 
 
-_own_process_group: list[object] = []  # the default process group a run of flair-fabric made in this process
+_own_process_group: list[weakref.ref] = []
+"""The default process group a run of flair-fabric made in this process, by a weak reference: a strong one would keep
+a destroyed group alive, and a forked worker that drops its copy would wait for ever in gloo's destructor, joining
+threads that did not survive the fork."""
 
 
 def mark_process_group_as_own() -> None:
     """Remember the default process group as one a run of this process made (a later run of the same script, on the
     same ranks, goes on in it)."""
-    _own_process_group[:] = [torch.distributed.group.WORLD] if torch.distributed.is_initialized() else []
+    _own_process_group[:] = [weakref.ref(torch.distributed.group.WORLD)] if torch.distributed.is_initialized() else []
 
 
 def foreign_process_group_size() -> int | None:
@@ -73,7 +77,7 @@ def foreign_process_group_size() -> int | None:
     made (Ray Train's, another engine's, the script's own), or ``None`` where there is none."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
-    if _own_process_group and _own_process_group[0] is torch.distributed.group.WORLD:
+    if _own_process_group and _own_process_group[0]() is torch.distributed.group.WORLD:
         return None
     return int(torch.distributed.get_world_size())
 
