@@ -437,3 +437,12 @@ def bio_tags(sentence: Any, label_type: str) -> list[str]:
         first = span.tokens[0].idx - 1
         tags[first : first + len(span)] = [f"B-{span.tag}"] + [f"I-{span.tag}"] * (len(span) - 1)
     return tags
+
+
+def tiny_classifier_file(folder: Path) -> Path:
+    """A tiny TREC classifier trained for one epoch by flair's ``ModelTrainer`` in ``folder``: its final-model.pt."""
+    from flair.trainers import ModelTrainer
+
+    corpus = small_trec()
+    ModelTrainer(tiny_text_classifier(corpus), corpus).train(folder, max_epochs=1, mini_batch_size=8)
+    return folder / "final-model.pt"

@@ -46,6 +46,7 @@ from ..support import (
     run_script,
     small_trec,
     small_wnut,
+    tiny_classifier_file,
     tiny_sequence_tagger,
     tiny_text_classifier,
 )
@@ -280,10 +281,7 @@ def test_labels_with_metadata_reach_the_caller_unchanged_from_forked_workers() -
 @pytest.fixture(scope="module")
 def trained_classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TREC classifier trained for one epoch, saved by flair."""
-    out = tmp_path_factory.mktemp("classifier")
-    corpus = small_trec()
-    ModelTrainer(tiny_text_classifier(corpus), corpus).train(out, max_epochs=1, mini_batch_size=8)
-    return out / "final-model.pt"
+    return tiny_classifier_file(tmp_path_factory.mktemp("classifier"))
 
 
 def _question_file(path: Path, lines: int) -> Path:

@@ -12,12 +12,11 @@ import fsspec
 import pytest
 from flair.models import TextClassifier
 from flair.tokenization import Tokenizer
-from flair.trainers import ModelTrainer
 
 import flair_fabric
 
 from ..storage_server import BUCKET, SECRET, S3Server
-from ..support import REPO, small_trec, tiny_text_classifier
+from ..support import REPO, tiny_classifier_file
 
 ONE = {"devices": 1, "accelerator": "cpu"}
 TWO_FORKED = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork"}
@@ -26,10 +25,7 @@ TWO_FORKED = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork"}
 @pytest.fixture(scope="module")
 def classifier_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TREC classifier trained for one epoch, saved by flair."""
-    out = tmp_path_factory.mktemp("classifier")
-    corpus = small_trec()
-    ModelTrainer(tiny_text_classifier(corpus), corpus).train(out, max_epochs=1, mini_batch_size=8)
-    return out / "final-model.pt"
+    return tiny_classifier_file(tmp_path_factory.mktemp("classifier"))
 
 
 def _questions(count: int) -> bytes:
