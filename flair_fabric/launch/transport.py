@@ -14,7 +14,6 @@ classes are left as they are.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from pathlib import Path
 from typing import IO, Any
@@ -23,6 +22,7 @@ import flair
 from flair.data import Relation, Sentence, Span
 
 from flair_fabric.state.model_state import model_from_bytes, model_to_bytes
+from flair_fabric.state.safe_loading import open_private
 
 _LINKS = ("_previous_sentence", "_next_sentence")
 Links = list[tuple[Sentence, Sentence | None, Sentence | None]]
@@ -67,7 +67,7 @@ def dumps(obj: Any) -> bytes:
 
 def dump_private(obj: Any, path: Path) -> None:
     """:func:`dump` into a new file only its owner can read (0o600), as spawned workers receive their job."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as stream:
+    with open_private(path) as stream:
         dump(obj, stream)
 
 

@@ -26,21 +26,25 @@ from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.options import make_parser, trainer_keys
 from flair_fabric.shell.signatures import init_parameters
 
-MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary", "corpus")
-"""The model's arguments that the config does not give: the made embeddings, the corpus's label dictionary, and the
-corpus itself where the model asks for one."""
-
 CORPUS = "corpus"
 """The argument a class (or a classmethod that makes one, ``OneHotEmbeddings.from_corpus``) gets the made corpus by."""
+
+MADE_HERE = ("embeddings", "tag_dictionary", "label_dictionary", CORPUS)
+"""The model's arguments that the config does not give: the made embeddings, the corpus's label dictionary, and the
+corpus itself where the model asks for one."""
 
 LABEL_TYPE_NAMES = ("tag_type", "label_type")
 
 
-def _imported(class_path: Any) -> type | None:
+def _imported_callable(class_path: Any) -> Any:
     try:
-        found = import_object(class_path) if isinstance(class_path, str) else None
+        return import_object(class_path) if isinstance(class_path, str) else None
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def _imported(class_path: Any) -> type | None:
+    found = _imported_callable(class_path)
     return found if inspect.isclass(found) else None
 
 
@@ -56,13 +60,6 @@ def assumed_parameters(cls: type | None) -> set[str]:
     return {
         name for name, p in init_parameters(cls).items() if name not in own and p.default is inspect.Parameter.empty
     }
-
-
-def _imported_callable(class_path: Any) -> Any:
-    try:
-        return import_object(class_path) if isinstance(class_path, str) else None
-    except (ImportError, AttributeError, ValueError):
-        return None
 
 
 def _takes_corpus(target: Any) -> bool:

@@ -3,7 +3,6 @@ against the config of a resume, which must be the same run."""
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from jsonargparse.typing import import_object
 
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
 from flair_fabric.shell.errors import ConfigError
+from flair_fabric.shell.signatures import own_parameters
 
 CONFIG_FILE = "config.yaml"
 
@@ -50,11 +50,7 @@ def _without_kwargs_not_given(spec: Any, given: Any) -> None:
     same_class = _is_class_spec(given) and given.class_path == spec.class_path
     given_args = given.get("init_args") if same_class else None
     given_args = given_args if isinstance(given_args, Namespace) else Namespace()
-    named = {
-        name
-        for name, p in inspect.signature(import_object(spec.class_path)).parameters.items()
-        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
-    }
+    named = own_parameters(import_object(spec.class_path))
     for key in _own_keys(init_args):
         if key not in named and key not in _own_keys(given_args):
             del init_args[key]

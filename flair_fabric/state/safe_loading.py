@@ -16,7 +16,7 @@ import os
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -44,9 +44,14 @@ def load_data(source: str | Path | io.BytesIO, allowed: Iterable[type] = ()) -> 
         return torch.load(source, map_location="cpu", weights_only=True)
 
 
+def open_private(path: Path) -> IO[bytes]:
+    """A new file at ``path`` only its owner can read (0o600, whatever the umask), open for writing bytes."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+
+
 def save_private(data: Any, path: Path) -> None:
     """``torch.save(data, path)`` into a new file only its owner can read (0o600)."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as stream:
+    with open_private(path) as stream:
         torch.save(data, stream)
 
 
