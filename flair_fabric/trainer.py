@@ -22,12 +22,15 @@ from torch.utils.data import Subset
 
 from flair_fabric.distributed.lockstep import DEFERRED_EVENTS
 from flair_fabric.launch.config import make_launch_config
-from flair_fabric.launch.environment import restarted_by_torchrun
+from flair_fabric.launch.environment import is_or_starts_global_zero, restarted_by_torchrun
 from flair_fabric.launch.runner import run_job
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
+from flair_fabric.state.run_store import RunStore
+from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
 from flair_fabric.strategies import training_strategy
+from flair_fabric.storage import is_url
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
 from flair_fabric.training.batch_sizes import check_batch_options, mini_batch_size_left_to_global, resolve_batch_sizes
 from flair_fabric.training.evaluating import steps_between_evaluations
@@ -117,7 +120,8 @@ class FabricTrainer(ModelTrainer):
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
         kwargs = mini_batch_size_left_to_global(ModelTrainer.train_custom, args, kwargs)
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
-        bound = FlairArguments.bind(self, base_path, *args, **flair_kwargs)
+        store = _store_of(base_path)
+        bound = FlairArguments.bind(self, store.local if store else base_path, *args, **flair_kwargs)
         flair_arguments, auto_chunks = bound.without_automatic_chunks()
         options.check()
         if flair_arguments.multi_gpu:
@@ -139,9 +143,14 @@ class FabricTrainer(ModelTrainer):
         resume_from = options.resume_from
         if resume_from is None and restarted_by_torchrun():
             resume_from = "auto"  # an elastic restart continues from the last checkpoint
-        resume_folder, start_epoch = checkpoint_to_resume(
-            self.model, flair_arguments.base_path, flair_arguments.epoch, resume_from
-        )
+        if store is not None:  # only complete checkpoints in the store count; global rank 0's machine downloads it
+            resume_folder, start_epoch = checkpoint_in_store_to_resume(
+                store, self.model, flair_arguments.epoch, resume_from, download=is_or_starts_global_zero()
+            )
+        else:
+            resume_folder, start_epoch = checkpoint_to_resume(
+                self.model, flair_arguments.base_path, flair_arguments.epoch, resume_from
+            )
         arguments = TrainArguments(
             flair=flair_arguments,
             launch=launch,
@@ -157,6 +166,7 @@ class FabricTrainer(ModelTrainer):
             val_check_interval=options.val_check_interval,
             chunks_on_out_of_memory=auto_chunks,
         )
+            store=store,
         self._check_run(arguments)
         return run_job(TrainingJob(self, arguments), launch)
 
@@ -218,3 +228,13 @@ class FabricTrainer(ModelTrainer):
 
     def _load_model(self, model_file: str | Path) -> None:
         self.load_model(model_file)
+
+
+def _store_of(base_path: Any) -> RunStore | None:
+    """``base_path`` as a URL: the run's store, checked before anything starts (reachable, writable); a local path:
+    ``None``."""
+    if not is_url(base_path):
+        return None
+    store = RunStore.of(str(base_path))
+    store.check_writable()
+    return store

@@ -118,6 +118,16 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
+def is_or_starts_global_zero() -> bool:
+    """Whether this process is (or, before a launch, starts) global rank 0: an ordinary script, or the process
+    torchrun or SLURM started as rank 0."""
+    launch = external_launch()
+    if launch is None:
+        return True
+    rank = os.environ.get("SLURM_PROCID") if launch.launcher == "SLURM" else os.environ.get("RANK")
+    return rank in (None, "0")
+
+
 def is_interactive() -> bool:
     """Whether Python runs interactively (a notebook or a REPL), where a script cannot be relaunched."""
     return hasattr(sys, "ps1") or bool(sys.flags.interactive)

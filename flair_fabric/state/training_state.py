@@ -101,8 +101,26 @@ def checkpoint_to_resume(
         if resume_from == "auto":
             log.info(f"resume_from='auto': no checkpoint in {checkpoints_folder(base_path)}, starting afresh")
         return None, epoch
+    progress = check_resumable(folder, model, epoch, resume_from)
+    newest = newest_checkpoint(base_path)
+    if newest is not None and folder.resolve().parent == newest.resolve().parent and folder.name < newest.name:
+        raise ValueError(
+            f"resume_from={str(resume_from)!r} is older than the newest checkpoint of base_path ({newest}): the"
+            " resumed run's checkpoints would sort before the newer ones, keep_checkpoints would remove them first"
+            " and resume_from='auto' would go back to the newer ones. Resume into another base_path, or remove the"
+            f" checkpoints after {folder.name} first."
+        )
+    return folder, progress.epoch
+
+
+def check_resumable(
+    folder: Path | str, model: torch.nn.Module, epoch: int, resume_from: Any, progress: RunState | None = None
+) -> RunState:
+    """Before any process starts: every file of the checkpoint in ``folder`` reads as plain data (unless its
+    ``progress`` record is given: read elsewhere, its files are checked where they are read), it was written for
+    ``model``, and flair's ``epoch`` does not contradict it. Returns its progress record."""
     try:
-        progress = check_checkpoint_folder(folder)
+        progress = progress or check_checkpoint_folder(Path(folder))
     except UnsafeFile as error:
         raise ValueError(
             f"resume_from={str(resume_from)!r}: {error}. It was not written by flair-fabric or was changed since;"
@@ -119,15 +137,7 @@ def checkpoint_to_resume(
             f"epoch={epoch} and resume_from={str(resume_from)!r} (which ends at epoch {progress.epoch}) were"
             " both given: leave epoch out when resuming."
         )
-    newest = newest_checkpoint(base_path)
-    if newest is not None and folder.resolve().parent == newest.resolve().parent and folder.name < newest.name:
-        raise ValueError(
-            f"resume_from={str(resume_from)!r} is older than the newest checkpoint of base_path ({newest}): the"
-            " resumed run's checkpoints would sort before the newer ones, keep_checkpoints would remove them first"
-            " and resume_from='auto' would go back to the newer ones. Resume into another base_path, or remove the"
-            f" checkpoints after {folder.name} first."
-        )
-    return folder, progress.epoch
+    return progress
 
 
 def resume_folder_of_global_zero(fabric: Fabric, folder: Path | None) -> Path | None:

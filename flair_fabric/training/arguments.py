@@ -25,6 +25,7 @@ from flair.training_utils import EmbeddingStorageMode
 from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.launch.config import LaunchConfig
 from flair_fabric.state.policy import CheckpointPolicy
+from flair_fabric.state.run_store import RunStore
 from flair_fabric.strategies import strategy_name
 from flair_fabric.training.options import ANNOTATIONS, DEFAULT_WINDOW, TrainingOptions
 
@@ -177,6 +178,8 @@ class TrainArguments:
     chunks_on_out_of_memory: bool = False
     """``mini_batch_chunk_size="auto"``: a step that runs out of memory is redone in smaller chunks (flair's
     ``mini_batch_chunk_size`` is then ``None``: whole mini-batches until a step needs less)."""
+    store: RunStore | None = None
+    """``base_path`` was a URL: the run's store (``flair.base_path`` is this machine's staging folder of it)."""
 
     @property
     def collective_timeout(self) -> timedelta:

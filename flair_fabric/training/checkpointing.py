@@ -19,6 +19,7 @@ from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
 from flair_fabric.state.run_state import EpochEnd, ResumePoint
 from flair_fabric.state.training_state import (
+    checkpoint_name,
     keep_loss_rows_up_to,
     load_training_state,
     plugin_schedulers,
@@ -102,6 +103,9 @@ class Checkpointing:
             "data_points": epoch_loss.data_points if epoch_loss is not None else 0,
         }
         trainer = run.trainer
+        name = checkpoint_name(progress.batch_count)
+        if run.uploads is not None:  # the previous upload is done; one of the same name is no longer complete
+            run.uploads.before_checkpoint(name)
         folder = save_training_state(
             run.fabric,
             run.base_path,
@@ -111,7 +115,11 @@ class Checkpointing:
             progress,
             rank_state,
             self.policy.keep,
+            model_keys=run.strategy.checkpoint_keys(run.trainer.model),
         )
+        if run.uploads is not None:  # this machine's files of it (under FSDP a node's shards may still be unrenamed)
+            temporary = folder.parent / f".{name}.tmp"
+            run.uploads.checkpoint(folder if folder.is_dir() else temporary if temporary.is_dir() else None, name)
         progress.last_checkpoint = time.monotonic()
         where = f"step {progress.step_in_epoch} of epoch {progress.epoch + 1}" if progress.step_in_epoch else ""
         log.info(f"saved the training state after {where or f'epoch {progress.epoch}'} to {folder}")

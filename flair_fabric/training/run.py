@@ -22,9 +22,11 @@ from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
+from flair_fabric.state.adapters import has_adapters, weights_from_merged
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
 from flair_fabric.state.training_state import resume_folder_of_global_zero
+from flair_fabric.state.uploads import Uploads
 from flair_fabric.strategies import keeps_whole_model, no_pass_synchronises, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
@@ -87,6 +89,7 @@ class TrainingRun:
         self.dynamic_embeddings: list[str] | None = None
         self.lengths: list[int] | None = None  # per data point, when each step is dealt to the ranks by length
         self.grouping: Grouping | None = None  # group_by_length
+        self.uploads = machine_uploads(fabric, arguments)  # base_path in a store: this machine's uploads, if it has any
 
     # --- the run, top-down --------------------------------------------------------------------------------------
 
@@ -115,9 +118,16 @@ class TrainingRun:
             if resume_folder is not None:
                 self.progress.resume = self.checkpointing.resume(resume_folder)
             preemption = self.arguments.checkpoints.requeue_signal
-            with graceful_interrupts(self.on_signal, self.lockstep.preempt, preemption):
-                self.fit()
-            test_final_model(self)
+            try:
+                with graceful_interrupts(self.on_signal, self.lockstep.preempt, preemption):
+                    self.fit()
+                test_final_model(self)
+            except BaseException:
+                if self.uploads is not None:  # a preempted or failed run: what is uploading now still arrives
+                    self.uploads.abandon()
+                raise
+            if self.uploads is not None:  # the job ends when its files are in the store
+                self.uploads.finish()
             trainer.model = self.strategy.hand_back(trainer.model)
         trainer.dispatch("after_training")
         return_values = self.fabric.broadcast(trainer.return_values, src=0)
@@ -131,6 +141,8 @@ class TrainingRun:
             fabric, {"corpus": corpus_fingerprint(trainer.corpus), "model": model_fingerprint(trainer.model)}
         )
         base_path_ready(self.base_path)
+        if self.arguments.store is not None and fabric.is_global_zero:  # the store's loss.tsv, ... to continue
+            self.arguments.store.download_run_files()
         self.plugins = attach_plugins(trainer, fabric, self.arguments, lambda: self.progress.batch_count)
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)
@@ -328,13 +340,20 @@ class TrainingRun:
         self.position.at(f"saving {Path(model_file).name}")
         weights = self.strategy.whole_weights(self.trainer.model)
         save_on_global_zero(self.fabric, self.trainer.model, model_file, checkpoint, weights)
+        if self.uploads is not None:
+            self.uploads.run_files()
 
     def load_model(self, model_file: str | Path) -> bool:
         """Load ``model_file`` (read on global rank 0) into the model on every rank; whether the file existed."""
         model = self.trainer.model
-        return load_from_global_zero(
-            self.fabric, model, model_file, lambda state: self.strategy.load_whole_weights(self.fabric, model, state)
-        )
+        current = self.strategy.whole_weights(model) if has_adapters(model) else None  # a collective when sharded
+
+        def load(state: dict[str, torch.Tensor] | None) -> None:
+            if state is not None and has_adapters(model):  # the file holds the adapters merged (docs/peft.md)
+                state = weights_from_merged(model, state, current if current is not None else model.state_dict())
+            self.strategy.load_whole_weights(self.fabric, model, state)
+
+        return load_from_global_zero(self.fabric, model, model_file, load)
 
     # --- agreement, checkpoints ---------------------------------------------------------------------------------
 
@@ -358,3 +377,17 @@ class TrainingRun:
             raise KeyboardInterrupt(f"{name} received")
         log.warning(f"{name} received: every process stops at the next agreement point (send it again to stop now)")
         self.lockstep.interrupt(name)
+
+
+def machine_uploads(fabric: Fabric, arguments: TrainArguments) -> Uploads | None:
+    """With ``base_path`` in a store: the uploads of this machine (its local rank 0); ``None`` elsewhere."""
+    if arguments.store is None or fabric.local_rank != 0:
+        return None
+    return Uploads(
+        arguments.store,
+        node_rank=fabric.node_rank,
+        num_nodes=int(getattr(fabric.strategy, "num_nodes", 1)),
+        is_global_zero=fabric.is_global_zero,
+        keep=arguments.checkpoints.keep,
+        timeout=arguments.collective_timeout.total_seconds(),
+    )

@@ -12,6 +12,7 @@ from lightning.fabric import Fabric
 from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.state.run_state import RunState
+from flair_fabric.state.uploads import Uploads
 from flair_fabric.strategies.base import TrainingStrategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.grouping import Grouping
@@ -37,6 +38,7 @@ class Run(Protocol):
     lockstep: Lockstep
     data: TrainingData
     base_path: Path
+    uploads: Uploads | None
     participation: Participation | None
     chunks_on_out_of_memory: ChunksOnOutOfMemory | None
     dynamic_embeddings: list[str] | None

@@ -1,0 +1,248 @@
+"""``base_path`` in an S3 bucket (moto's server on loopback, reached through s3fs): a run killed mid-epoch resumes on
+another machine folder from the bucket alone, to the weights of an uninterrupted run; only checkpoints with their
+completion marker are read; the marker comes last, after every machine's part; uploads do not block training; no
+credential is written anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from flair.models import TextClassifier
+from flair.trainers.plugins import TrainerPlugin
+from torch.multiprocessing.spawn import ProcessExitedException
+
+from flair_fabric import FabricTrainer
+from flair_fabric.state.run_store import MARKER, RunStore
+from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
+from flair_fabric.state.uploads import Uploads
+from flair_fabric.storage import StorageError
+
+from ..storage_server import BUCKET, SECRET, S3Server
+from ..support import no_training_may_start, small_trec, state_dict_difference, tiny_text_classifier
+
+SETTINGS: dict[str, Any] = {
+    "learning_rate": 0.05,
+    "shuffle": True,
+    "embeddings_storage_mode": "none",
+    "accelerator": "cpu",
+    "global_batch_size": 6,
+    "max_epochs": 3,
+}
+
+
+class _KillAt(TrainerPlugin):
+    """Every rank SIGKILLs itself after optimizer step ``step``: a job that dies without a chance to save."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    @TrainerPlugin.hook
+    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
+        if batch_count == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _objects(prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix`` of the bucket, with its bytes."""
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return {path: fs.cat_file(path) for path in fs.find(f"{BUCKET}/{prefix}")}
+
+
+def _staged_in(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Path:
+    """This "machine"'s staging folder root."""
+    monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(folder))
+    return folder
+
+
+@pytest.mark.multiprocess
+def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_the_uninterrupted_weights(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """2 forked ranks train into s3://bucket/killed with a checkpoint every 2 steps and are SIGKILLed at step 11 (of
+    24, in epoch 2 of 3). One process on a machine folder that never saw that run resumes with resume_from="auto" from
+    the bucket alone: its weights are those of an uninterrupted run (within 1e-5), the bucket's loss.tsv has its train
+    losses, final-model.pt in the bucket loads in flair and holds the trained weights; no credential is in any object,
+    staged file or log line."""
+    corpus = small_trec(train_size=45)
+    whole = tiny_text_classifier(corpus)
+    FabricTrainer(whole, corpus).fine_tune(tmp_path / "whole", devices=1, **SETTINGS)
+    url = f"s3://{BUCKET}/killed"
+    _staged_in(monkeypatch, tmp_path / "first-machine")
+    with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
+        FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(
+            url, devices=2, strategy="ddp_fork", checkpoint_every_n_steps=2, plugins=[_KillAt(11)], **SETTINGS
+        )
+    store = RunStore.of(url)
+    complete = store.complete_checkpoints()
+    assert complete and complete[-1] <= "step-000000010", complete
+
+    second_machine = _staged_in(monkeypatch, tmp_path / "second-machine")
+    assert not second_machine.exists()
+    resumed = tiny_text_classifier(corpus)
+    with caplog.at_level("INFO", logger="flair"):
+        FabricTrainer(resumed, corpus).fine_tune(url, devices=1, resume_from="auto", **SETTINGS)
+    assert f"resuming from {url}/checkpoints/{complete[-1]}" in caplog.text
+    assert state_dict_difference(resumed.state_dict(), whole.state_dict()) <= 1e-5
+
+    objects = _objects("killed")
+    rows = [line.split("\t") for line in objects[f"{BUCKET}/killed/loss.tsv"].decode().splitlines()]
+    expected = [line.split("\t") for line in (tmp_path / "whole" / "loss.tsv").read_text().splitlines()]
+    column = rows[0].index("TRAIN_LOSS")
+    assert [float(row[column]) for row in rows[1:]] == pytest.approx([float(row[column]) for row in expected[1:]])
+    final = tmp_path / "final-model.pt"
+    final.write_bytes(objects[f"{BUCKET}/killed/final-model.pt"])
+    assert state_dict_difference(TextClassifier.load(final).state_dict(), resumed.state_dict()) == 0.0
+
+    secret = SECRET.encode()
+    assert not [path for path, data in objects.items() if secret in data], "a credential in the bucket"
+    staged = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
+    assert not staged, "a credential in a staged file"
+    assert SECRET not in caplog.text
+
+
+def _checkpoint_folder(folder: Path, size: int) -> Path:
+    """A checkpoint-like folder: one large file and two small ones."""
+    folder.mkdir(parents=True)
+    (folder / "state.ckpt").write_bytes(os.urandom(size))
+    (folder / "extras.pt").write_bytes(b"extras")
+    (folder / "progress.json").write_text("{}")
+    return folder
+
+
+def test_the_marker_comes_after_every_file_and_the_upload_does_not_block(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 24 MB checkpoint uploaded by Uploads: the call returns before the upload is done (no marker yet), and an
+    observer polling the bucket never sees the marker while a file it lists is missing or short."""
+    _staged_in(monkeypatch, tmp_path / "staging")
+    store = RunStore.of(f"s3://{BUCKET}/ordering")
+    folder = _checkpoint_folder(tmp_path / "step-000000004", 24 * 2**20)
+    uploads = Uploads(store, node_rank=0, num_nodes=1, is_global_zero=True, keep=2, timeout=60)
+    seen: list[str] = []
+    done = threading.Event()
+
+    def observe() -> None:
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        while not done.is_set():
+            fs.invalidate_cache()
+            found = {path.rsplit("/", 1)[-1]: fs.info(path)["size"] for path in fs.find(store.checkpoint_url(""))}
+            if MARKER in found:
+                listed = json.loads(fs.cat_file(f"{store.checkpoint_url('step-000000004')}/{MARKER}"))["files"]
+                seen.append("complete" if all(found.get(name) == size for name, size in listed.items()) else "early")
+            else:
+                seen.append("incomplete")
+            time.sleep(0.02)
+
+    observer = threading.Thread(target=observe)
+    observer.start()
+    try:
+        time.sleep(0.1)
+        uploads.checkpoint(folder, "step-000000004")
+        returned_before_marker = store.complete_checkpoints() == []
+        uploads.finish()
+        time.sleep(0.1)
+    finally:
+        done.set()
+        observer.join()
+    assert returned_before_marker, "the upload blocked the training thread"
+    assert "early" not in seen, "the marker was there before every file of the checkpoint"
+    assert store.complete_checkpoints() == ["step-000000004"]
+    assert seen[-1] == "complete"
+
+
+def test_the_marker_waits_for_every_machines_part(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two machines' parts of one checkpoint: global rank 0's own part is not enough; the marker comes once the other
+    machine's part is there, and it lists the files of both."""
+    _staged_in(monkeypatch, tmp_path / "staging")
+    store = RunStore.of(f"s3://{BUCKET}/two-machines")
+    mine = _checkpoint_folder(tmp_path / "node-0" / "step-000000002", 1000)
+    theirs = tmp_path / "node-1" / "step-000000002"
+    theirs.mkdir(parents=True)
+    (theirs / "__1_0.distcp").write_bytes(b"shard of rank 1")
+    zero = Uploads(store, node_rank=0, num_nodes=2, is_global_zero=True, keep=2, timeout=60)
+    one = Uploads(store, node_rank=1, num_nodes=2, is_global_zero=False, keep=2, timeout=60)
+    zero.checkpoint(mine, "step-000000002")
+    time.sleep(1.5)
+    assert store.complete_checkpoints() == [], "complete without the other machine's part"
+    one.checkpoint(theirs, "step-000000002")
+    one.finish()
+    zero.finish()
+    assert store.complete_checkpoints() == ["step-000000002"]
+    listed = store.read_marker("step-000000002")["files"]
+    assert sorted(listed) == ["__1_0.distcp", "extras.pt", "progress.json", "state.ckpt"]
+
+
+def test_auto_skips_a_checkpoint_without_its_marker_and_keep_removes_only_complete_ones(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run with a checkpoint after each of 3 epochs (keep 2); the newest one's marker removed, as an upload cut off
+    leaves it: "auto" resumes from the one before, an explicit URL of the cut one is refused, and a run that keeps
+    one checkpoint removes the complete older ones but not the cut one."""
+    _staged_in(monkeypatch, tmp_path / "staging")
+    corpus = small_trec(train_size=12)
+    url = f"s3://{BUCKET}/cut"
+    options = {**SETTINGS, "global_batch_size": 6, "checkpoint_every_n_epochs": 1, "keep_checkpoints": 2}
+    FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(url, devices=1, **options)
+    store = RunStore.of(url)
+    assert store.complete_checkpoints() == ["step-000000004", "step-000000006"]
+    fs = fsspec.filesystem("s3")
+    fs.rm_file(f"{store.checkpoint_url('step-000000006')}/{MARKER}")
+    assert fs.exists(f"{store.checkpoint_url('step-000000006')}/state.ckpt"), "its parts stay"
+    _staged_in(monkeypatch, tmp_path / "fresh")
+    store = RunStore.of(url)
+    folder, epoch = checkpoint_in_store_to_resume(store, tiny_text_classifier(corpus), 0, "auto", download=True)
+    assert (folder.name if folder else None, epoch) == ("step-000000004", 2)
+    with pytest.raises(ValueError, match=r"step-000000006 has no completion marker"):
+        checkpoint_in_store_to_resume(
+            store, tiny_text_classifier(corpus), 0, store.checkpoint_url("step-000000006"), download=True
+        )
+    resumed = tiny_text_classifier(corpus)
+    FabricTrainer(resumed, corpus).fine_tune(url, devices=1, resume_from="auto", **{**options, "max_epochs": 4})
+    assert store.complete_checkpoints() == ["step-000000006", "step-000000008"]
+
+
+@pytest.mark.parametrize(
+    ("base_path", "message"),
+    [
+        ("s3://no-such-bucket/run", r"base_path='s3://no-such-bucket/run': no-such-bucket does not exist"),
+        ("nosuch://bucket/run", r"base_path='nosuch://bucket/run': unknown URL scheme nosuch://"),
+        ("gs://bucket/run", r"base_path='gs://bucket/run': gs:// needs gcsfs.*flair-fabric\[gcs\]"),
+    ],
+    ids=["missing-bucket", "unknown-scheme", "not-installed"],
+)
+def test_a_base_path_url_that_cannot_be_used_is_refused_before_anything_starts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base_path: str, message: str
+) -> None:
+    _staged_in(monkeypatch, tmp_path / "staging")
+    no_training_may_start(monkeypatch)
+    corpus = small_trec(train_size=12)
+    with pytest.raises(StorageError, match=message):
+        FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(base_path, devices=1, **SETTINGS)
+    assert not (tmp_path / "staging").exists(), "nothing was staged"
+
+
+def test_no_credentials_are_refused_before_anything_starts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    _staged_in(monkeypatch, tmp_path / "staging")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    s3fs.S3FileSystem.clear_instance_cache()
+    no_training_may_start(monkeypatch)
+    corpus = small_trec(train_size=12)
+    with pytest.raises(StorageError, match=r"base_path='s3://bucket/run': no credentials found"):
+        FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(f"s3://{BUCKET}/run", devices=1, **SETTINGS)
