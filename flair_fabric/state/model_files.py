@@ -17,7 +17,8 @@ import torch
 from lightning.fabric import Fabric
 
 from flair_fabric.distributed.stalls import wait_for_global_zero
-from flair_fabric.state.model_state import flair_state, save_flair_state
+from flair_fabric.state.adapters import has_adapters
+from flair_fabric.state.model_state import model_file_state, save_flair_state
 
 
 def write_atomically(path: str | Path, write: Callable[[str], None]) -> None:
@@ -46,10 +47,10 @@ def save_model_atomically(
     dict (the consolidated weights of a sharded model)."""
 
     def write(temporary: str) -> None:
-        if weights is None:
+        if weights is None and not has_adapters(model):
             model.save(temporary, checkpoint=checkpoint)
         else:
-            save_flair_state(flair_state(model, weights), temporary)
+            save_flair_state(model_file_state(model, weights), temporary)
 
     write_atomically(path, write)
 

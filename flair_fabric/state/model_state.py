@@ -15,15 +15,29 @@ from typing import Any, TypeVar, cast
 import flair
 import torch
 
+from flair_fabric.state.adapters import has_adapters, merged_weights, with_adapter_configs
+
 ModelT = TypeVar("ModelT", bound=flair.nn.Model)
 
 
 def flair_state(model: flair.nn.Model, weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """The dictionary flair's ``Model.save`` writes for ``model``; ``weights`` in place of ``model.state_dict()``
     if given (the consolidated weights of a sharded model)."""
-    state = model._get_state_dict()
+    state = with_adapter_configs(model, model._get_state_dict())  # flair 0.15.1 leaves peft_config out
     if weights is not None:
         state["state_dict"] = weights
+    if model.model_card is not None:
+        state["model_card"] = model.model_card
+    return state
+
+
+def model_file_state(model: flair.nn.Model, weights: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """What a flair model file of ``model`` holds: :func:`flair_state`, except that a model with peft adapters is
+    written as the plain model with the adapters merged into its transformer, which stock flair loads (docs/peft.md)."""
+    if not has_adapters(model):
+        return flair_state(model, weights)
+    state = model._get_state_dict()
+    state["state_dict"] = merged_weights(model, weights)
     if model.model_card is not None:
         state["model_card"] = model.model_card
     return state
@@ -55,7 +69,7 @@ def copy_model(model: ModelT) -> ModelT:
     """An independent copy of a flair model with the same weights, rebuilt from its flair state in memory
     (``copy.deepcopy`` fails on transformer embeddings). Usually needs one extra model's memory, no serialised bytes.
     Rebuilding draws random initial weights; the random number generators are left as they were."""
-    state = model._get_state_dict()  # holds the model's own tensors: nothing is copied yet
+    state = with_adapter_configs(model, model._get_state_dict())  # holds the model's own tensors: nothing copied yet
     devices = [torch.cuda.current_device()] if flair.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         copy = type(model).load(state)

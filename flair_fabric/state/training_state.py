@@ -228,9 +228,11 @@ def save_training_state(
     rank_state: dict[str, Any],
     keep: int,
     extras: dict[str, Any] | None = None,
+    model_keys: set[str] | None = None,
 ) -> Path:
     """Write a complete checkpoint of the run in ``base_path`` and keep the newest ``keep``: ``schedulers`` by a
-    stable key, ``rank_state`` this rank's own part, ``extras`` more plain values of the job (global rank 0's).
+    stable key, ``rank_state`` this rank's own part, ``extras`` more plain values of the job (global rank 0's),
+    ``model_keys`` the model's state keys to keep (``None``: all; adapters: the trainable ones, docs/peft.md).
     Returns its folder. A collective: every rank must call it."""
     every_rank = gather_to_global_zero(fabric, {**rank_state, "rng": rng_state()})  # for rank 0 to write
     folder = checkpoints_folder(base_path) / checkpoint_name(progress.batch_count)
@@ -240,7 +242,8 @@ def save_training_state(
             shutil.rmtree(unfinished, ignore_errors=True)
         temporary.mkdir(parents=True, mode=0o700)  # private to the user while it is written
     fabric.barrier()
-    fabric.save(temporary / "state.ckpt", {"model": module, "optimizer": optimizer})
+    kept = None if model_keys is None else {"model": lambda key, _: key in model_keys}
+    fabric.save(temporary / "state.ckpt", {"model": module, "optimizer": optimizer}, filter=kept)
     if fabric.is_global_zero:
         scaler = getattr(fabric.strategy.precision, "scaler", None)
         stored = {

@@ -25,6 +25,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricModule, _unwrap_objects
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+from flair_fabric.state.adapters import load_model_state, trainable_keys
 from flair_fabric.state.safe_loading import load_data
 from flair_fabric.strategies.sharded_state import read_distributed_checkpoint_whole
 
@@ -159,6 +160,11 @@ class TrainingStrategy(ABC):
         assert state is not None
         model.load_state_dict(state)
 
+    def checkpoint_keys(self, model: flair.nn.Model) -> set[str] | None:
+        """The model's state keys a checkpoint keeps: ``None`` (all), or for a model with peft adapters its trainable
+        parameters and buffers (the frozen base comes from the model's own source on resume, docs/peft.md)."""
+        return trainable_keys(model)
+
     def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
         """Load a checkpoint's model and optimizer (``fabric.save``'s ``state.ckpt``), also one a sharded run wrote
         (a PyTorch distributed checkpoint folder: read whole). Global rank 0 reads it (as data only) and every rank
@@ -170,7 +176,7 @@ class TrainingStrategy(ABC):
         if fabric.world_size > 1:
             state = fabric.broadcast(state, src=0)
         assert state is not None
-        module.module.load_state_dict(state["model"])
+        load_model_state(module.module, state["model"])  # an adapter-sized checkpoint: the trainable part
         if sharded:
             set_optimizer_state_dict(module.module, optimizer.optimizer, optim_state_dict=state["optimizer"])
         else:

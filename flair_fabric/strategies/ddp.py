@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.state.adapters import adapter_parameters
 from flair_fabric.strategies.base import Prepared, SetUp, StartMethod, StartsProcesses, TrainingStrategy
 from flair_fabric.strategies.compression import GradientCompression, checked_compression, register_compression
 from flair_fabric.strategies.probing import parameters_without_gradient
@@ -116,6 +117,8 @@ def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch
     if not isinstance(strategy, FlairDDPStrategy) or strategy.find_unused_parameters != "auto":
         return
     unused = parameters_without_gradient(model, probe_batch)
+    frozen = freeze_adapter_weights_without_gradient(fabric, model, unused)
+    unused = [name for name in unused if name not in frozen]
     vote = torch.tensor(float(bool(unused)), device=fabric.device)
     votes = cast(torch.Tensor, fabric.all_reduce(vote, reduce_op="sum"))
     strategy.find_unused_parameters = bool(votes.item() > 0)
@@ -124,6 +127,29 @@ def resolve_unused_parameters(fabric: Fabric, model: flair.nn.Model, probe_batch
         log.info(f"DDP: {len(unused)} parameter(s) get no gradient ({shown}): find_unused_parameters=True")
     else:
         log.info("DDP: every parameter gets a gradient: find_unused_parameters=False")
+
+
+def freeze_adapter_weights_without_gradient(fabric: Fabric, model: flair.nn.Model, unused: list[str]) -> set[str]:
+    """The probe's rule for peft adapters: a LoRA weight that got no gradient on any rank (its layer never reaches
+    the loss, e.g. a transformer's pooler, which flair never uses) can never get one, so it is frozen with a warning
+    naming it, rather than turning DDP's search for unused parameters on. Returns the names frozen."""
+    weights = adapter_parameters(model)
+    if not weights:
+        return set()
+    got_gradient = torch.tensor([float(name not in unused) for name, _ in weights], device=fabric.device)
+    if fabric.world_size > 1:  # every rank freezes the same weights
+        got_gradient = cast(torch.Tensor, fabric.all_reduce(got_gradient, reduce_op="sum"))
+    frozen = {name for (name, _), count in zip(weights, got_gradient.tolist(), strict=True) if count == 0}
+    for name, parameter in weights:
+        if name in frozen:
+            parameter.requires_grad_(False)
+    if frozen:
+        shown = ", ".join(sorted(frozen)[:6]) + (" ..." if len(frozen) > 6 else "")
+        log.warning(
+            f"peft: {len(frozen)} adapter weight(s) get no gradient, their layers never reach flair's loss ({shown}):"
+            " they are frozen and stay as initialised. Leave these modules out of target_modules."
+        )
+    return frozen
 
 
 class DataParallel(TrainingStrategy):

@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
+import flair
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy
 from lightning.fabric.wrappers import _FabricModule
@@ -93,6 +94,9 @@ class DeepSpeed(TrainingStrategy):
         module, optimizer = fabric.setup(model, make_optimizer(model))
         module.mark_forward_method("forward_loss")
         return Prepared(module, optimizer, model)
+
+    def checkpoint_keys(self, model: flair.nn.Model) -> set[str] | None:
+        return None  # DeepSpeed's own checkpoint folder keeps every weight (it filters nothing)
 
     def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
         fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)  # DeepSpeed's own folder

@@ -302,5 +302,8 @@ class Sharded(TrainingStrategy):
     def load_whole_weights(self, fabric: Fabric, model: flair.nn.Model, state: dict[str, torch.Tensor] | None) -> None:
         load_full_state_dict(model, state or {})  # scattered from global rank 0 into the shards
 
+    def checkpoint_keys(self, model: flair.nn.Model) -> set[str] | None:
+        return None  # a distributed checkpoint keeps every shard (Lightning filters no sharded checkpoint)
+
     def load_checkpoint(self, fabric: Fabric, path: Path, module: _FabricModule, optimizer: Any) -> None:
         fabric.load(path, {"model": module, "optimizer": optimizer}, weights_only=True)  # whole or sharded: Lightning
