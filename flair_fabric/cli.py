@@ -31,14 +31,22 @@ examples:
 
 
 def load_model(path: str) -> Any:
-    """The flair model saved in ``path``, or a clear error (missing file, not a flair model)."""
-    file = Path(path)
-    if not file.is_file():
+    """The flair model saved in ``path`` (a local file or a URL), or a clear error (missing file, not a flair
+    model)."""
+    from flair_fabric.storage import StorageError, check_reachable, is_url, local_file
+
+    if is_url(path):
+        try:
+            check_reachable(path, argument="--model")
+        except StorageError as error:
+            raise SystemExit(str(error)) from None
+    elif not Path(path).is_file():
         raise SystemExit(f"--model {path}: no such file; pass a model saved by flair (e.g. out/best-model.pt).")
     import flair
 
     try:
-        return flair.nn.Model.load(file)
+        with local_file(path) as file:
+            return flair.nn.Model.load(file)
     except (pickle.UnpicklingError, RuntimeError, KeyError, ValueError, EOFError, AttributeError) as error:
         raise SystemExit(f"--model {path}: not a flair model file ({type(error).__name__}: {error}).") from None
 

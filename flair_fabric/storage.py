@@ -138,6 +138,19 @@ def read_text(path: str | Path, storage_options: Mapping[str, Any] | None = None
         return stream.read().decode("utf-8")
 
 
+@contextmanager
+def local_file(path: str | Path, storage_options: Mapping[str, Any] | None = None) -> Iterator[Path]:
+    """A local path of the file ``path``: itself, or for a URL a private temporary copy, removed afterwards (for
+    readers that need a path, such as flair's ``Model.load``)."""
+    if not is_url(path):
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-download-") as folder:
+        copy = Path(folder) / (Path(str(path)).name or "download")
+        filesystem(path, storage_options).get_file(str(path), str(copy))
+        yield copy
+
+
 def write_atomically(
     path: str | Path, write: Callable[[str], None], storage_options: Mapping[str, Any] | None = None
 ) -> None:

@@ -20,6 +20,7 @@ from flair_fabric.launch.environment import restarted_by_torchrun
 from flair_fabric.launch.runner import run_job
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.training_state import checkpoint_to_resume, rng_state
+from flair_fabric.storage import is_url
 from flair_fabric.strategies import every_parameter_learns, keeps_whole_model
 
 TRAINABLE_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -73,6 +74,11 @@ class FabricLanguageModelTrainer(LanguageModelTrainer):
                 f"precision={lightning.precision!r} ({launch.precision}) casts the whole model, which flair's"
                 " LanguageModel cannot be (its _apply returns None, so .to(dtype) gives None): pass"
                 " precision='32-true', 'bf16-mixed' or, on a GPU, '16-mixed'."
+            )
+        if is_url(base_path):
+            raise ValueError(
+                f"base_path={base_path!r}: FabricLanguageModelTrainer writes to a local folder (a URL is for"
+                " FabricTrainer): pass a folder, and copy it to the store when the run ends."
             )
         base = Path(base_path)
         check_writable_folder(base)

@@ -119,7 +119,7 @@ def train(argv: Sequence[str]) -> dict:
 
     resolved = resolved_config(parser, config, given)
     if config.trainer.resume_from is not None or restarted_by_torchrun():
-        check_resume(Path(config.trainer.base_path), resolved)
+        check_resume(config.trainer.base_path, resolved)
     made = make_components(parser, config, given)
     plugins = list(made.trainer_arguments.pop("plugins", None) or [])
     plugins.append(ConfigRecordPlugin(resolved))

@@ -173,6 +173,8 @@ def make_parser(method: str, *, class_types: dict[str, Any] | None = None) -> Ar
         if key.needs_import and class_types is not None:
             key_type, default = class_types["trainer"][key.name]
         required = key.name == "base_path"
+        if required:  # as written: a URL read as a Path would lose its "//" (s3://bucket/run -> s3:/bucket/run)
+            key_type = str
         parser.add_argument(
             f"--trainer.{key.name}",
             type=key_type,

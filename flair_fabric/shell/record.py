@@ -14,6 +14,7 @@ from jsonargparse.typing import import_object
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.signatures import own_parameters
+from flair_fabric.storage import is_url, read_text
 
 CONFIG_FILE = "config.yaml"
 
@@ -101,12 +102,15 @@ def _shown(config: dict[str, Any], key: str) -> str:
     return repr(config[key]) if key in config else "<absent>"
 
 
-def check_resume(base_path: Path, resolved: str) -> None:
-    """Refuse a resume whose config differs from the one the run started with, naming the keys that changed."""
-    file = base_path / CONFIG_FILE
-    if not file.is_file():
+def check_resume(base_path: str | Path, resolved: str) -> None:
+    """Refuse a resume whose config differs from the one the run started with, naming the keys that changed
+    (``base_path`` a folder or a URL)."""
+    file = f"{str(base_path).rstrip('/')}/{CONFIG_FILE}" if is_url(base_path) else Path(base_path) / CONFIG_FILE
+    try:
+        text = read_text(file)
+    except FileNotFoundError:
         return
-    old = flattened(yaml.safe_load(file.read_text(encoding="utf-8")) or {})
+    old = flattened(yaml.safe_load(text) or {})
     new = flattened(yaml.safe_load(resolved) or {})
     changed = [key for key in changed_keys(old, new) if key not in MAY_CHANGE_ON_RESUME]
     if changed:

@@ -650,6 +650,18 @@ def test_bad_input_is_refused_before_any_process_starts(
     assert not (tmp_path / "run" / "loss.txt").exists()
 
 
+def test_a_base_path_url_is_refused_before_any_process_starts(
+    corpus: TextCorpus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL base_path (FabricTrainer's, docs/storage.md) is refused by name; it never becomes a local folder."""
+    no_process_may_start(monkeypatch)
+    with pytest.raises(ValueError, match=r"base_path='s3://bucket/lm': FabricLanguageModelTrainer writes to a local"):
+        FabricLanguageModelTrainer(tiny_language_model(corpus), corpus).train(
+            "s3://bucket/lm", mini_batch_size=2, accelerator="cpu", devices=1, **LM_OPTIONS
+        )
+    assert not Path("s3:").exists()
+
+
 def test_a_corpus_without_split_files_is_refused(
     corpus: TextCorpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,10 +3,13 @@ its mistakes name ``s3://bucket/run.yaml:LINE`` (the line counted in the text wr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import fsspec
 import pytest
 import yaml
 
+from flair_fabric.datasets import TREC
 from flair_fabric.shell.command import checked_config
 from flair_fabric.shell.errors import ConfigError
 
@@ -71,3 +74,35 @@ def test_a_yaml_mistake_or_a_missing_config_in_the_bucket_is_one_line_naming_the
     with pytest.raises(ConfigError) as refused:
         checked_config([missing])
     assert str(refused.value) == f"config file={missing!r}: no such file."
+
+
+def test_a_config_run_into_the_bucket_keeps_its_config_there_and_a_changed_resume_is_refused(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.base_path an s3:// URL: the run's config.yaml, loss.tsv and final-model.pt land in the bucket (no
+    credential in config.yaml); a resume with a changed learning rate, on a machine folder that never saw the run, is
+    refused by the config.yaml read from the bucket; one with more epochs continues from the bucket's checkpoint."""
+    from flair_fabric.shell.command import train
+
+    from ..shell.test_config_runs import _small
+    from ..support import make_tiny_bert
+
+    monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(tmp_path / "first"))
+    bert = make_tiny_bert(tmp_path / "bert", TREC(train_size=24, dev_size=8, test_size=8))
+    url = f"s3://{BUCKET}/config-run"
+    once = ["--trainer.max_epochs=1", "--trainer.checkpoint_every_n_epochs=1", "--trainer.global_batch_size=8"]
+    train([*_small("trec.yaml", bert, tmp_path / "unused", *once), f"--trainer.base_path={url}"])
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    names = {path.rsplit("/", 1)[-1] for path in fs.find(f"{BUCKET}/config-run", maxdepth=1)}
+    assert {"config.yaml", "loss.tsv", "final-model.pt"} <= names, names
+    written = fs.cat_file(f"{url}/config.yaml").decode()
+    assert yaml.safe_load(written)["trainer"]["base_path"] == url and SECRET not in written
+    monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(tmp_path / "second"))
+    changed = [*once, "--trainer.resume_from=auto", "--trainer.learning_rate=0.5", f"--trainer.base_path={url}"]
+    with pytest.raises(ConfigError, match=r"trainer.learning_rate \(0.0001 -> 0.5\)"):
+        train(_small("trec.yaml", bert, tmp_path / "unused", *changed))
+    more = ["--trainer.max_epochs=2", *once[1:], "--trainer.resume_from=auto", f"--trainer.base_path={url}"]
+    train(_small("trec.yaml", bert, tmp_path / "unused", *more))
+    rows = fs.cat_file(f"{url}/loss.tsv").decode().splitlines()
+    assert [row.split("\t")[0] for row in rows[1:]] == ["1", "2"], "the resumed run added its second epoch"

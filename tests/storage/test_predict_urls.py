@@ -99,7 +99,7 @@ def test_a_failed_prediction_leaves_no_object_in_the_bucket(s3: S3Server, classi
     assert _objects("failed") == [f"{BUCKET}/failed/in.txt"]
 
 
-def test_the_command_line_predicts_from_and_to_the_bucket_as_from_and_to_local_files(
+def test_the_command_line_predicts_with_a_model_from_the_bucket_as_from_and_to_local_files(
     s3: S3Server, classifier_file: Path, tmp_path: Path
 ) -> None:
     text = _questions(30)
@@ -108,7 +108,8 @@ def test_the_command_line_predicts_from_and_to_the_bucket_as_from_and_to_local_f
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("LOCAL_RANK", None)
     target = f"s3://{BUCKET}/cli/results/out.jsonl"  # a prefix that does not exist yet
-    command = [sys.executable, "-m", "flair_fabric", "predict", "--model", str(classifier_file)]
+    fsspec.filesystem("s3").put_file(str(classifier_file), f"s3://{BUCKET}/cli/best-model.pt")  # the model too
+    command = [sys.executable, "-m", "flair_fabric", "predict", "--model", f"s3://{BUCKET}/cli/best-model.pt"]
     command += ["--input", f"s3://{BUCKET}/cli/in.txt", "--output", target, "--devices", "1", "--accelerator", "cpu"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
