@@ -196,3 +196,17 @@ def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Param
         for name, parameter in model.named_parameters()
         if parameter.requires_grad and name.startswith(prefixes) and ".lora_" in name
     ]
+
+
+def non_reentrant_checkpointing(model: torch.nn.Module) -> list[str]:
+    """Make the gradient checkpointing of every adapted transformer that has it on (peft's
+    ``prepare_model_for_kbit_training`` turns it on, reentrant by transformers' default) non-reentrant: a reentrant
+    backward under DDP marks adapter weights ready twice where DDP searches for unused parameters (peft#313). Returns
+    the names of the embeddings changed."""
+    changed = []
+    for name, embeddings in adapted_embeddings(model):
+        base = embeddings.model.get_base_model()
+        if getattr(base, "is_gradient_checkpointing", False):
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            changed.append(name)
+    return changed

@@ -21,7 +21,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
-from flair_fabric.state.adapters import adapter_parameters
+from flair_fabric.state.adapters import adapter_parameters, non_reentrant_checkpointing
 from flair_fabric.strategies.base import Prepared, SetUp, StartMethod, StartsProcesses, TrainingStrategy
 from flair_fabric.strategies.compression import GradientCompression, checked_compression, register_compression
 from flair_fabric.strategies.probing import parameters_without_gradient
@@ -172,6 +172,8 @@ class DataParallel(TrainingStrategy):
         fabric.to_device(model)
         optimizer = make_optimizer(model)
         run.before_wrapping(optimizer)  # flair's vocabulary reduction, on every rank before DDP sees the parameters
+        if non_reentrant_checkpointing(model):
+            log.info("peft: the transformer's gradient checkpointing is made non-reentrant (DDP-safe)")
         resolve_unused_parameters(fabric, model, run.probe_batch)
         module = fabric.setup_module(model)
         module.mark_forward_method("forward_loss")

@@ -4,6 +4,7 @@ run's own best-model.pt loaded back into the adapted model for the final test.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from flair.data import Sentence
 from flair.embeddings import TransformerDocumentEmbeddings
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
 from peft import LoraConfig
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
@@ -139,3 +141,42 @@ def test_a_config_with_a_peft_config_class_trains_the_weights_of_the_equivalent_
     assert from_config.keys() == script.keys() and any(".query." in name for name in script)
     assert all(torch.equal(value, from_config[name]) for name, value in script.items())
     assert "LoraModel" in (tmp_path / "config" / "training.log").read_text(), "trained with the adapters"
+
+
+class _Checkpointing(TrainerPlugin):
+    """Records, on every rank after set-up, whether the transformer's gradient checkpointing is reentrant."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    @TrainerPlugin.hook
+    def after_setup(self, **kw: Any) -> None:
+        functions = [getattr(m, "_gradient_checkpointing_func", None) for m in self.trainer.model.modules()]
+        reentrant = [f.keywords.get("use_reentrant", True) for f in functions if f is not None]
+        (self.out / f"reentrant-{self.trainer.global_rank}.json").write_text(json.dumps(reentrant))
+
+
+def test_gradient_checkpointing_is_made_non_reentrant_under_ddp_where_it_searches_for_unused_parameters(
+    setting: dict[str, Any], tmp_path: Path
+) -> None:
+    corpus, bert = setting["corpus"], setting["bert"]
+
+    def checkpointed() -> TextClassifier:
+        model = lora_classifier(corpus, bert, QUERY_VALUE)
+        model.embeddings.model.get_base_model().gradient_checkpointing_enable()  # reentrant, as peft's kbit set-up
+        model.embeddings.model.enable_input_require_grads()
+        return model
+
+    reference = checkpointed()
+    ModelTrainer(reference, corpus).train(tmp_path / "flair", use_final_model_for_eval=True, **ONE)
+    model = checkpointed()
+    forced = "ddp_fork_find_unused_parameters_true"  # where a reentrant backward marks weights ready twice
+    try:
+        options = {**TWO, "strategy": forced, "plugins": [_Checkpointing(tmp_path)], "use_final_model_for_eval": True}
+        FabricTrainer(model, corpus).train(tmp_path / "ddp", **options)
+    finally:  # what the ranks trained with, also where a rank failed
+        seen = [json.loads((tmp_path / f"reentrant-{rank}.json").read_text()) for rank in (0, 1)]
+        assert all(rank and not any(rank) for rank in seen), seen
+    for name, value in trainable_weights(reference).items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=1e-5, msg=name)
