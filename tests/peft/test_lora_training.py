@@ -5,7 +5,9 @@ files that stock flair loads in a fresh process."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from flair.data import Sentence
 from flair.models import TextClassifier
 from flair.trainers import ModelTrainer
+from flair.trainers.plugins import TrainerPlugin
 
 from flair_fabric import FabricTrainer
 from flair_fabric.state.training_state import complete_checkpoints
@@ -43,6 +46,21 @@ TWO_RANKS.update(devices=2, strategy="ddp_fork")
 POOLER = "embeddings.model.base_model.model.pooler.dense.lora_"
 
 
+class _Buckets(TrainerPlugin):
+    """Records on global rank 0 after set-up what DDP registered for its buckets (its own logging data)."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    @TrainerPlugin.hook
+    def after_setup(self, **kw: Any) -> None:
+        ddp = self.trainer._run.module._forward_module
+        data = ddp._get_ddp_logging_data()
+        seen = {key: data[key] for key in ("num_parameter_tensors", "total_parameter_size_bytes")}
+        (self.out / f"buckets-{self.trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """flair's ModelTrainer in one process; FabricTrainer in one process with a checkpoint every 3 steps (6 a
@@ -55,7 +73,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     one = lora_classifier(corpus, bert, WITH_THE_POOLER)
     FabricTrainer(one, corpus).train(out / "one", checkpoint_every_n_steps=3, keep_checkpoints=10, **ARGUMENTS)
     two = lora_classifier(corpus, bert, WITH_THE_POOLER)
-    FabricTrainer(two, corpus).train(out / "two", **TWO_RANKS)
+    FabricTrainer(two, corpus).train(out / "two", plugins=[_Buckets(out)], **TWO_RANKS)
     mid_epoch = complete_checkpoints(out / "one")[0]
     assert mid_epoch.name == "step-000000003"
     shutil.copytree(mid_epoch, out / "resumed" / "checkpoints" / mid_epoch.name)
@@ -99,6 +117,15 @@ def test_adapter_weights_without_gradient_are_frozen_with_one_warning_not_an_unu
         assert "pooler.dense.lora_A.default.weight" in warnings[0] and "pooler.dense.lora_B" in warnings[0]
         assert "encoder.layer" not in warnings[0], "only the weights without gradient are named"
         assert "find_unused_parameters=False" in log, run
+
+
+def test_ddp_registers_only_the_weights_that_train_for_its_buckets(runs: dict[str, Any]) -> None:
+    model = runs["models"]["flair"]  # the adapters and the decoder, but the pooler's adapter weights (no gradient)
+    training = [p for name, p in model.named_parameters() if p.requires_grad and not name.startswith(POOLER)]
+    for rank in (0, 1):
+        seen = json.loads((runs["out"] / f"buckets-{rank}.json").read_text())
+        assert seen["num_parameter_tensors"] == len(training)
+        assert seen["total_parameter_size_bytes"] == sum(p.numel() * p.element_size() for p in training)
 
 
 def test_a_checkpoint_holds_the_trainable_weights_and_their_optimizer_state_not_the_frozen_base(
