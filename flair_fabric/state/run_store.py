@@ -29,8 +29,8 @@ MARKER = "COMPLETE"
 PARTS = ".parts"
 CHECKPOINTS = "checkpoints"
 APPENDED_FILES = (".tsv", ".txt", ".log")
-"""The run's own files a resumed run appends to (``loss.tsv``, ``weights.txt``, ...): the staging folder starts with
-the store's copies of them."""
+"""The run's own files a run appends to (``loss.tsv``, ``weights.txt``, ...): the staging folder starts with the
+store's copies of them (a resumed run's, with all the run's files)."""
 
 
 def staging_root() -> Path:
@@ -166,9 +166,10 @@ class RunStore:
 
     # --- the run's own files --------------------------------------------------------------------------------------
 
-    def download_run_files(self) -> None:
+    def download_run_files(self, resuming: bool) -> None:
         """Global rank 0, at the start: the staging folder's appended files (``loss.tsv``, ...) become the store's
-        (those the store does not have are removed), so a run continues the store's files on any machine."""
+        (those the store does not have are removed), and for a resumed run all the run's files (``best-model.pt``
+        too, which the run's end may load), so a run continues the store's files on any machine."""
         fs = self.fs
         fs.invalidate_cache()
         self.local.mkdir(parents=True, exist_ok=True)
@@ -181,7 +182,7 @@ class RunStore:
             if path.is_file() and path.suffix in APPENDED_FILES and path.name not in stored:
                 path.unlink()
         for name in sorted(stored):
-            if Path(name).suffix in APPENDED_FILES:
+            if resuming or Path(name).suffix in APPENDED_FILES:
                 partial = self.local / f".{name}.download"
                 fs.get_file(f"{self.url}/{name}", str(partial))
                 os.replace(partial, self.local / name)

@@ -142,7 +142,7 @@ class TrainingRun:
         )
         base_path_ready(self.base_path)
         if self.arguments.store is not None and fabric.is_global_zero:  # the store's loss.tsv, ... to continue
-            self.arguments.store.download_run_files()
+            self.arguments.store.download_run_files(resuming=self.arguments.resume_folder is not None)
         self.plugins = attach_plugins(trainer, fabric, self.arguments, lambda: self.progress.batch_count)
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)

@@ -37,12 +37,14 @@ UNION = {"mini_batch_size": 4, "shuffle": False, "learning_rate": 0.1, "create_f
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def _start(host: Host, nodes: int, node: int, master: str, kwargs: dict[str, Any], **extra: Any) -> Any:
+def _start(
+    host: Host, nodes: int, node: int, master: str, kwargs: dict[str, Any], env: dict | None = None, **extra: Any
+) -> Any:
     config = host.folder / f"config-{time.monotonic_ns()}.json"
     config.write_text(json.dumps({"out": str(host.folder), "kwargs": kwargs, **extra}))
     torchrun = [TORCHRUN, f"--nnodes={nodes}", "--nproc_per_node=1", f"--node_rank={node}"]
     command = [*torchrun, f"--master_addr={master}", f"--master_port={PORT}", str(SCRIPTS / "host_training.py")]
-    return host.start([*command, str(config)], ENV)
+    return host.start([*command, str(config)], env or ENV)
 
 
 def _finish(processes: list[Any], timeout: float = 180) -> list[tuple[int, str]]:

@@ -1,8 +1,8 @@
 """A training script as a user runs it on each machine of a cluster (tests/hosts): ``torchrun ... host_training.py
 <config.json>``. Trains the tiny TREC classifier with FabricTrainer on the processes torchrun started; every rank
 writes, under ``results/`` of its own folder, the sockets listening in its host while it trained and its final
-weights. Config: ``{"out": folder, "kwargs": train arguments, "kill_at": step, "kill_node": node}`` (that node's
-link goes down after that step)."""
+weights. Config: ``{"out": folder, "kwargs": train arguments, "kill_at": step, "kill_node": node, "base_path": where
+the run goes (default: ``<out>/run``)}`` (that node's link goes down after that step)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def main() -> None:
     model = tiny_text_classifier(corpus)
     trainer = FabricTrainer(model, corpus)
     kill_at = config.get("kill_at") if os.environ.get("GROUP_RANK", "0") == str(config.get("kill_node", -1)) else None
-    trainer.train(out / "run", plugins=[Observe(results, kill_at)], accelerator="cpu", **config["kwargs"])
+    base_path = config.get("base_path", str(out / "run"))  # a URL: the run in a bucket (docs/storage.md)
+    trainer.train(base_path, plugins=[Observe(results, kill_at)], accelerator="cpu", **config["kwargs"])
     torch.save(model.state_dict(), results / f"weights-rank{trainer.global_rank}.pt")
 
 
