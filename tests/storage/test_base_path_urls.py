@@ -246,3 +246,29 @@ def test_no_credentials_are_refused_before_anything_starts(
     corpus = small_trec(train_size=12)
     with pytest.raises(StorageError, match=r"base_path='s3://bucket/run': no credentials found"):
         FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(f"s3://{BUCKET}/run", devices=1, **SETTINGS)
+
+
+def test_a_read_only_bucket_is_refused_before_anything_starts_and_nothing_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket these credentials may read but not write (moto checking an IAM policy): base_path there is refused
+    before any process starts, naming base_path and the fix, and the bucket holds what it held."""
+    import s3fs
+
+    from .read_only_server import READ_ONLY_BUCKET, read_only_bucket
+
+    _staged_in(monkeypatch, tmp_path / "staging")
+    no_training_may_start(monkeypatch)
+    corpus = small_trec(train_size=12)
+    with read_only_bucket({"kept.txt": "kept"}) as options:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+        monkeypatch.setenv("AWS_ENDPOINT_URL", options["client_kwargs"]["endpoint_url"])
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        s3fs.S3FileSystem.clear_instance_cache()
+        url = f"s3://{READ_ONLY_BUCKET}/run"
+        with pytest.raises(StorageError, match=rf"base_path='{url}' cannot be written .*: use a bucket and prefix"):
+            FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(url, devices=1, **SETTINGS)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        assert fs.find(READ_ONLY_BUCKET) == [f"{READ_ONLY_BUCKET}/kept.txt"]
+    assert not (tmp_path / "staging").exists()
