@@ -167,3 +167,13 @@ def write_atomically(
         temporary = os.path.join(folder, Path(str(path)).name or "upload")
         write(temporary)
         fs.put_file(temporary, str(path))
+
+
+def storage_error(
+    path: str, argument: str, error: BaseException, storage_options: Mapping[str, Any] | None = None
+) -> StorageError:
+    """A provider's error met while reading or writing ``path`` (no credentials, access denied, endpoint down) as one
+    :class:`StorageError` line naming ``argument``, the URL and the fix; any credential in the cause is blanked."""
+    if isinstance(error, FileNotFoundError):
+        return StorageError(f"{argument}={path!r}: no such file.")
+    return StorageError(_unreachable(path, argument, error, storage_options))

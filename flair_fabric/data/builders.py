@@ -17,8 +17,10 @@ from flair_fabric.data.cache import Stat, cache_root, content_key, open_or_build
 from flair_fabric.data.columns import FORMAT_VERSION
 from flair_fabric.data.errors import SourceChangedError
 from flair_fabric.data.housekeeping import conversion_folder, remove_dead_conversions
+from flair_fabric.data.remote import Store, open_published, remote_key
 from flair_fabric.data.split import MappedSplit
 from flair_fabric.data.storage import write_split
+from flair_fabric.storage import StorageError, is_url
 
 log = logging.getLogger("flair")
 
@@ -27,12 +29,13 @@ SPLITS = ("train", "dev", "test")
 
 @dataclass(frozen=True)
 class Opened:
-    """A cache entry opened: its splits (``None`` where the source has none), folder, and whether this call built
-    it."""
+    """A cache entry opened: its splits (``None`` where the source has none), folder, whether this call built it, and
+    whether it downloaded it from the store."""
 
     splits: dict[str, MappedSplit | None]
     folder: Path
     built: bool
+    downloaded: bool = False
 
 
 def _splits(folder: Path, meta: dict[str, Any], sources: dict[str, Stat]) -> dict[str, MappedSplit | None]:
@@ -46,18 +49,27 @@ def _splits(folder: Path, meta: dict[str, Any], sources: dict[str, Stat]) -> dic
 
 
 def from_files(
-    files: dict[str, Path | None],
+    files: dict[str, str | Path | None],
     options: dict[str, Any],
-    read: Callable[[Path], Iterable[DataPoint]],
+    read: Callable[[Any], Iterable[DataPoint]],
     cache_folder: str | Path | None,
     linked: bool = False,
+    store: Store | None = None,
 ) -> Opened:
     """The cache entry of the split files ``files`` read with ``read`` (``options``: everything that changes what it
-    reads), built if no entry of this content exists."""
-    root = cache_root(cache_folder)
-    present = {name: Path(path) for name, path in files.items() if path is not None}
-    sources = {str(path.resolve()): stat_of(path) for path in present.values()}
-    key = content_key(list(present.values()), {**options, "splits": sorted(present)})
+    reads), built if no entry of this content exists. With a ``store`` (sources or ``cache_folder`` in object
+    storage), the entry is downloaded from it where it is published there, else built and published
+    (:mod:`~flair_fabric.data.remote`)."""
+    root = cache_root(None if is_url(cache_folder) else cache_folder)
+    keyed = {**options, "splits": sorted(name for name, path in files.items() if path is not None)}
+    if any(is_url(path) for path in files.values()):
+        present: dict[str, Any] = {name: str(path) for name, path in files.items() if path is not None}
+        sources: dict[str, Stat] = {}  # not watched in the store
+        key = remote_key(present, keyed, store.storage_options if store else None)
+    else:
+        present = {name: Path(path) for name, path in files.items() if path is not None}
+        sources = {str(path.resolve()): stat_of(path) for path in present.values()}
+        key = content_key(list(present.values()), keyed)
 
     def build(folder: Path) -> dict[str, Any]:
         stored = {}
@@ -69,8 +81,11 @@ def from_files(
                 raise SourceChangedError(source, "while its cache was built")
         return {"splits": stored, "linked": linked, "sources": sources}
 
-    folder, meta, built = open_or_build(root, key, build)
-    return Opened(_splits(folder, meta, sources), folder, built)
+    if store is None:
+        folder, meta, built = open_or_build(root, key, build)
+        return Opened(_splits(folder, meta, sources), folder, built)
+    folder, meta, how = open_published(root, key, build, store)
+    return Opened(_splits(folder, meta, sources), folder, how == "built", how == "downloaded")
 
 
 def _data_points(dataset: Dataset) -> Iterator[DataPoint]:
@@ -91,7 +106,13 @@ def _linked(dataset: Dataset) -> bool:
 
 def from_datasets(datasets: dict[str, Dataset | None], cache_folder: str | Path | None) -> Opened:
     """The cache entry of data points already in memory, keyed by the SHA-256 of the files they are stored in
-    (converted into a temporary folder first; the entry is made from it, or rebuilt from it where damaged)."""
+    (converted into a temporary folder first; the entry is made from it, or rebuilt from it where damaged); its cache
+    folder is a local one (every process holds the corpus in memory: nothing to gain from a store)."""
+    if is_url(cache_folder):
+        raise StorageError(
+            f"cache_folder={cache_folder!r}: map_corpus keeps its cache on this machine (every process holds the "
+            "corpus already): pass a local folder, or put the corpus's files in the store and use MappedCorpus.from_*"
+        )
     root = cache_root(cache_folder)
     remove_dead_conversions(root)
     with conversion_folder(root) as temporary:

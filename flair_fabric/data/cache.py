@@ -33,6 +33,7 @@ from flair_fabric.data.integrity import META, file_problem, mark_built, record_p
 
 USED = "used"
 Stat = tuple[int, int]
+Finish = Callable[[Path, dict[str, Any]], None]
 log = logging.getLogger("flair")
 _CHECKED: dict[str, dict[str, Any]] = {}
 """The entries this process has verified (folder -> meta record): later opens compare each file's size only."""
@@ -132,12 +133,15 @@ def _remember(folder: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def open_or_build(root: Path, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Path, dict[str, Any], bool]:
+def open_or_build(
+    root: Path, key: str, build: Callable[[Path], dict[str, Any]], finish: Finish | None = None
+) -> tuple[Path, dict[str, Any], bool]:
     """The cache folder of ``key`` under ``root``, its meta record, and whether this call built it.
 
     ``build(folder)`` writes the split files into an empty temporary folder and returns the meta record (splits);
     it runs at most once per key on this machine at a time, and only when no complete, intact folder of this format
-    exists: an entry whose files are not what its record says is rebuilt (and logged), never read.
+    exists: an entry whose files are not what its record says is rebuilt (and logged), never read. ``finish(folder,
+    record)`` runs once the temporary folder is sealed, before it is renamed into place (an error discards it).
     """
     folder = root / key
     meta = read_meta(folder)
@@ -145,7 +149,7 @@ def open_or_build(root: Path, key: str, build: Callable[[Path], dict[str, Any]])
         return folder, _remember(folder, meta), False
     try:
         with build_lock(root, key):
-            return _open_or_build_locked(root, key, build)
+            return _open_or_build_locked(root, key, build, finish)
     except CacheFolderError:  # a read-only cache folder: an intact entry opens, nothing can be built
         if meta is not None and verify(folder, meta) is None:
             return folder, _remember(folder, meta), False
@@ -153,7 +157,7 @@ def open_or_build(root: Path, key: str, build: Callable[[Path], dict[str, Any]])
 
 
 def _open_or_build_locked(
-    root: Path, key: str, build: Callable[[Path], dict[str, Any]]
+    root: Path, key: str, build: Callable[[Path], dict[str, Any]], finish: Finish | None
 ) -> tuple[Path, dict[str, Any], bool]:
     folder = root / key
     remove_dead_temporaries(root, key)
@@ -172,6 +176,8 @@ def _open_or_build_locked(
     try:
         record = {"format_version": FORMAT_VERSION, "flair_version": flair.__version__, **build(temporary)}
         meta = seal(temporary, record)
+        if finish is not None:
+            finish(temporary, meta)
         (temporary / USED).touch()
         temporary.rename(folder)
     except BaseException:

@@ -17,7 +17,25 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 from flair_fabric.data.builders import Opened, from_datasets, from_files
 from flair_fabric.data.dictionaries import label_dictionary, most_common, token_counter
 from flair_fabric.data.readers import read_classification_file, read_column_file, read_csv_file
+from flair_fabric.data.remote import split_files, store_of
 from flair_fabric.data.split import MappedSplit
+from flair_fabric.storage import is_url
+
+Files = tuple[Any, Any, Any]
+
+
+def _split_files(
+    data_folder: str | Path,
+    dev_file: str | Path | None,
+    test_file: str | Path | None,
+    train_file: str | Path | None,
+    autofind_splits: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> Files:
+    """flair's dev, test and train files of ``data_folder`` (a path, or a URL: see docs/storage.md)."""
+    if is_url(data_folder):
+        return split_files(str(data_folder), dev_file, test_file, train_file, autofind_splits, storage_options)
+    return find_train_dev_test_files(data_folder, dev_file, test_file, train_file, autofind_splits)
 
 
 def _as_view(dataset: Dataset | None) -> Dataset | None:
@@ -48,7 +66,8 @@ class MappedCorpus(Corpus):
     take it as they take any corpus. Missing splits are sampled from train as flair's ``Corpus`` samples them (the
     same data points for the same random state), as selections of the stored train split.
 
-    ``cache_folder``: the cache entry the splits are read from; ``built``: whether opening it built it."""
+    ``cache_folder``: the cache entry the splits are read from; ``built``: whether opening it built it;
+    ``downloaded``: whether opening it downloaded it from the store (docs/storage.md)."""
 
     def __init__(
         self,
@@ -69,6 +88,7 @@ class MappedCorpus(Corpus):
         self._train, self._dev, self._test = _as_view(self._train), _as_view(self._dev), _as_view(self._test)
         self.cache_folder: Path = opened.folder
         self.built: bool = opened.built
+        self.downloaded: bool = opened.downloaded
 
     def _mapped(self, *datasets: Dataset | None) -> list[MappedSplit] | None:
         present = [dataset for dataset in datasets if dataset is not None]
@@ -137,10 +157,12 @@ class MappedCorpus(Corpus):
         random_seed: int | None = None,
         cache_folder: str | Path | None = None,
         in_memory: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> MappedCorpus:
         """What flair's ``ColumnCorpus`` reads with these arguments (the same names and defaults; ``in_memory``
         changes nothing here), stored once in the cache and memory-mapped."""
-        dev, test, train = find_train_dev_test_files(data_folder, dev_file, test_file, train_file, autofind_splits)
+        store = store_of(data_folder, cache_folder, storage_options)
+        dev, test, train = _split_files(data_folder, dev_file, test_file, train_file, autofind_splits, storage_options)
         options = {
             "column_delimiter": column_delimiter,
             "comment_symbol": comment_symbol,
@@ -154,9 +176,12 @@ class MappedCorpus(Corpus):
             "documents_as_sentences": documents_as_sentences,
         }
         columns = {int(column): kind for column, kind in column_format.items()}
-        read = functools.partial(read_column_file, column_format=columns, options=options)
+        read = functools.partial(
+            read_column_file, column_format=columns, options=options, storage_options=storage_options
+        )
         keyed = {**options, "reader": "column", "column_format": sorted(columns.items())}
-        opened = from_files({"train": train, "dev": dev, "test": test}, keyed, read, cache_folder, linked=True)
+        splits = {"train": train, "dev": dev, "test": test}
+        opened = from_files(splits, keyed, read, cache_folder, linked=True, store=store)
         return cls(opened, str(data_folder) if name is None else name, sample_missing_splits, random_seed)
 
     @classmethod
@@ -178,9 +203,11 @@ class MappedCorpus(Corpus):
         sample_missing_splits: bool = True,
         encoding: str = "utf-8",
         cache_folder: str | Path | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> MappedCorpus:
         """What flair's ``ClassificationCorpus`` (FastText ``__label__`` lines) reads with these arguments."""
-        dev, test, train = find_train_dev_test_files(data_folder, dev_file, test_file, train_file)
+        store = store_of(data_folder, cache_folder, storage_options)
+        dev, test, train = _split_files(data_folder, dev_file, test_file, train_file, True, storage_options)
         options = {
             "label_type": label_type,
             "truncate_to_max_tokens": truncate_to_max_tokens,
@@ -193,9 +220,9 @@ class MappedCorpus(Corpus):
             "allow_examples_without_labels": allow_examples_without_labels,
             "encoding": encoding,
         }
-        read = functools.partial(read_classification_file, options=options)
+        read = functools.partial(read_classification_file, options=options, storage_options=storage_options)
         keyed = {**options, "reader": "classification", "tokenizer": _describe(tokenizer)}
-        opened = from_files({"train": train, "dev": dev, "test": test}, keyed, read, cache_folder)
+        opened = from_files({"train": train, "dev": dev, "test": test}, keyed, read, cache_folder, store=store)
         return cls(opened, str(data_folder), sample_missing_splits)
 
     @classmethod
@@ -217,11 +244,13 @@ class MappedCorpus(Corpus):
         no_class_label: str | None = None,
         sample_missing_splits: bool | str = True,
         cache_folder: str | Path | None = None,
+        storage_options: dict[str, Any] | None = None,
         **fmtparams: Any,
     ) -> MappedCorpus:
         """What flair's ``CSVClassificationCorpus`` reads with these arguments (``DataPair``\\ s where
         ``column_name_map`` names ``"pair"`` columns; ``in_memory`` changes nothing here)."""
-        dev, test, train = find_train_dev_test_files(data_folder, dev_file, test_file, train_file)
+        store = store_of(data_folder, cache_folder, storage_options)
+        dev, test, train = _split_files(data_folder, dev_file, test_file, train_file, True, storage_options)
         options = {
             "label_type": label_type,
             "tokenizer": tokenizer,
@@ -233,9 +262,11 @@ class MappedCorpus(Corpus):
             "fmtparams": fmtparams,
         }
         columns = {int(column): kind for column, kind in column_name_map.items()}
-        read = functools.partial(read_csv_file, column_name_map=columns, options=options)
+        read = functools.partial(
+            read_csv_file, column_name_map=columns, options=options, storage_options=storage_options
+        )
         keyed = {**options, "reader": "csv", "tokenizer": _describe(tokenizer), "columns": sorted(columns.items())}
-        opened = from_files({"train": train, "dev": dev, "test": test}, keyed, read, cache_folder)
+        opened = from_files({"train": train, "dev": dev, "test": test}, keyed, read, cache_folder, store=store)
         return cls(opened, name, sample_missing_splits)
 
 

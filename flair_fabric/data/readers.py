@@ -8,9 +8,12 @@ without the label columns) raises :class:`~flair_fabric.data.errors.MalformedLin
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import re
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -18,17 +21,64 @@ from flair.data import DataPair, Sentence
 from flair.datasets import ClassificationDataset, ColumnDataset, CSVClassificationDataset
 
 from flair_fabric.data.errors import MalformedLineError
+from flair_fabric.storage import is_url, open_input
+
+Options = Mapping[str, Any] | None
+"""A URL's filesystem options (``storage_options``)."""
 
 
-def _undecodable_line(path: Path, encoding: str) -> MalformedLineError:
+@contextlib.contextmanager
+def _open_text(path: str | Path, encoding: str, storage_options: Options = None) -> Iterator[IO[str]]:
+    """A source file opened as text, as ``open(path, encoding=encoding)`` opens it; a URL streamed from the store."""
+    if not is_url(path):
+        with open(path, encoding=encoding) as file:
+            yield file
+        return
+    with open_input(path, storage_options) as stream, io.TextIOWrapper(stream, encoding=encoding) as file:
+        yield file
+
+
+def _undecodable_line(path: str | Path, encoding: str, storage_options: Options = None) -> MalformedLineError:
     """The first line of ``path`` that is not text in ``encoding``."""
-    with open(path, "rb") as file:
+    with open_input(path, storage_options) as file:
         for number, line in enumerate(file, start=1):
             try:
                 line.decode(encoding)
             except UnicodeDecodeError as error:
                 return MalformedLineError(path, number, f"text in {encoding} ({error.reason} at byte {error.start})")
     return MalformedLineError(path, 0, f"text in {encoding}")
+
+
+class _Recorded:
+    """A text file whose ``readline`` keeps every line it handed out."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self.file, self.lines = file, list[str]()
+
+    def readline(self) -> str:
+        line = self.file.readline()
+        self.lines.append(line)
+        return line
+
+
+@contextlib.contextmanager
+def _probe_file(dataset: ColumnDataset, path: str | Path, options: dict[str, Any], storage_options: Options) -> Any:
+    """For a URL, a temporary local file of the source's head: the lines flair's span-column probe reads (the first
+    line where skipped, then its first 5 sentences), for flair's own ``_identify_span_columns``, which opens a path."""
+    if not is_url(path):
+        yield path
+        return
+    with _open_text(path, options["encoding"], storage_options) as text:
+        head = _Recorded(text)
+        if options["skip_first_line"]:
+            head.readline()
+        for _ in range(5):
+            if not dataset._read_next_sentence(head):
+                break
+    with tempfile.TemporaryDirectory(prefix="flair-fabric-head-") as folder:
+        probe = Path(folder) / "head.txt"
+        probe.write_text("".join(head.lines), encoding=options["encoding"])
+        yield probe
 
 
 class _NumberedLines:
@@ -50,10 +100,10 @@ class _NumberedLines:
         self.numbers.clear()
 
 
-def _column_dataset(path: Path, column_format: dict[int, str], options: dict[str, Any]) -> ColumnDataset:
+def _column_dataset(path: str | Path, column_format: dict[int, str], options: dict[str, Any]) -> ColumnDataset:
     """A flair ``ColumnDataset`` set up as its constructor sets it up, without reading the file into memory."""
     dataset = ColumnDataset.__new__(ColumnDataset)
-    dataset.path_to_column_file = path
+    dataset.path_to_column_file = path  # type: ignore[assignment]
     dataset.column_delimiter = re.compile(options["column_delimiter"])
     for name in (
         "comment_symbol",
@@ -76,7 +126,7 @@ def _column_dataset(path: Path, column_format: dict[int, str], options: dict[str
     return dataset
 
 
-def _check_line(dataset: ColumnDataset, path: Path, number: int, line: str) -> None:
+def _check_line(dataset: ColumnDataset, path: str | Path, number: int, line: str) -> None:
     if dataset.comment_symbol is not None and line.startswith(dataset.comment_symbol):
         return
     fields = dataset.column_delimiter.split(line.rstrip())
@@ -91,17 +141,23 @@ def _check_line(dataset: ColumnDataset, path: Path, number: int, line: str) -> N
         raise MalformedLineError(path, number, f"an integer head id in column {dataset.head_id_column}")
 
 
-def read_column_file(path: Path, column_format: dict[int, str], options: dict[str, Any]) -> Iterator[Sentence]:
-    """The sentences of one column file, as flair's ``ColumnDataset(path, column_format, **options)`` reads them."""
+def read_column_file(
+    path: str | Path, column_format: dict[int, str], options: dict[str, Any], storage_options: Options = None
+) -> Iterator[Sentence]:
+    """The sentences of one column file (a path or URL), as flair's ``ColumnDataset(path, column_format, **options)``
+    reads them."""
     dataset = _column_dataset(path, column_format, options)
     try:
-        dataset._identify_span_columns(column_format, options["skip_first_line"])
+        with _probe_file(dataset, path, options, storage_options) as probe:
+            dataset.path_to_column_file = probe
+            dataset._identify_span_columns(column_format, options["skip_first_line"])
     except UnicodeDecodeError:
-        raise _undecodable_line(path, options["encoding"]) from None
+        raise _undecodable_line(path, options["encoding"], storage_options) from None
     except (IndexError, ValueError):
-        _check_whole_file(dataset, path, options)
+        _check_whole_file(dataset, path, options, storage_options)
         raise
-    with open(path, encoding=options["encoding"]) as text:
+    dataset.path_to_column_file = path  # type: ignore[assignment]
+    with _open_text(path, options["encoding"], storage_options) as text:
         file = _NumberedLines(text)
         if options["skip_first_line"]:
             file.readline()
@@ -110,7 +166,7 @@ def read_column_file(path: Path, column_format: dict[int, str], options: dict[st
             try:
                 lines = dataset._read_next_sentence(file)
             except UnicodeDecodeError:
-                raise _undecodable_line(path, options["encoding"]) from None
+                raise _undecodable_line(path, options["encoding"], storage_options) from None
             if not lines:
                 return
             for number, line in zip(file.numbers, lines, strict=False):
@@ -128,14 +184,18 @@ def read_column_file(path: Path, column_format: dict[int, str], options: dict[st
             yield sentence
 
 
-def _check_whole_file(dataset: ColumnDataset, path: Path, options: dict[str, Any]) -> None:
-    with open(path, encoding=options["encoding"]) as file:
+def _check_whole_file(
+    dataset: ColumnDataset, path: str | Path, options: dict[str, Any], storage_options: Options = None
+) -> None:
+    with _open_text(path, options["encoding"], storage_options) as file:
         for number, line in enumerate(file, start=1):
             if not line.isspace() and not (number == 1 and options["skip_first_line"]):
                 _check_line(dataset, path, number, line)
 
 
-def read_classification_file(path: Path, options: dict[str, Any]) -> Iterator[Sentence]:
+def read_classification_file(
+    path: str | Path, options: dict[str, Any], storage_options: Options = None
+) -> Iterator[Sentence]:
     """The sentences of one FastText file (``__label__`` prefixes), as flair's ``ClassificationDataset`` gives them
     (``memory_mode`` ``"partial"``, flair's default, or ``"full"``, which drops sentences without tokens)."""
     dataset = ClassificationDataset.__new__(ClassificationDataset)
@@ -144,7 +204,7 @@ def read_classification_file(path: Path, options: dict[str, Any]) -> Iterator[Se
     dataset.allow_examples_without_labels = allowed = options["allow_examples_without_labels"]
     prefix, tokenizer, skip_labels = "__label__", options["tokenizer"], options["skip_labels"]
     longest = options["filter_if_longer_than"]
-    with open(path, encoding=options["encoding"]) as file:
+    with _open_text(path, options["encoding"], storage_options) as file:
         try:
             for line in file:
                 if (prefix not in line and not allowed) or (" " not in line and "\t" not in line):
@@ -165,11 +225,11 @@ def read_classification_file(path: Path, options: dict[str, Any]) -> Iterator[Se
                     continue
                 yield sentence
         except UnicodeDecodeError:
-            raise _undecodable_line(path, options["encoding"]) from None
+            raise _undecodable_line(path, options["encoding"], storage_options) from None
 
 
 def read_csv_file(
-    path: Path, column_name_map: dict[int, str], options: dict[str, Any]
+    path: str | Path, column_name_map: dict[int, str], options: dict[str, Any], storage_options: Options = None
 ) -> Iterator[Sentence | DataPair]:
     """The data points of one CSV file (sentences, or ``DataPair``s where ``column_name_map`` names ``"pair"``
     columns), as flair's ``CSVClassificationDataset`` gives them."""
@@ -181,7 +241,7 @@ def read_csv_file(
     dataset.pair_columns = [column for column, name in column_name_map.items() if name == "pair"]
     labelled = any(name.startswith("label") for name in column_name_map.values())
     needed = max(column_name_map) + 1
-    with open(path, encoding=options["encoding"]) as file:
+    with _open_text(path, options["encoding"], storage_options) as file:
         reader = csv.reader(file, **options["fmtparams"])
         try:
             if options["skip_header"]:
@@ -195,4 +255,4 @@ def read_csv_file(
                     continue
                 yield dataset._make_labeled_data_point(row)
         except UnicodeDecodeError:
-            raise _undecodable_line(path, options["encoding"]) from None
+            raise _undecodable_line(path, options["encoding"], storage_options) from None

@@ -257,7 +257,8 @@ def _parameters(function: Any) -> dict[str, Any]:
 
 
 def test_the_builders_take_flairs_arguments_with_flairs_names_and_defaults(tmp_path: Path) -> None:
-    """from_classification_files and from_csv: flair's class's parameters (names, order, defaults) plus cache_folder;
+    """from_classification_files and from_csv: flair's class's parameters (names, order, defaults) plus cache_folder
+    and storage_options (docs/storage.md);
     from_column_files: ColumnCorpus's, with the ColumnDataset and Corpus arguments it passes on by name; in_memory
     changes nothing (the same entry, the same data points)."""
     for builder, flairs in (
@@ -265,10 +266,10 @@ def test_the_builders_take_flairs_arguments_with_flairs_names_and_defaults(tmp_p
         (MappedCorpus.from_csv, CSVClassificationCorpus),
     ):
         ours = _parameters(builder)
-        assert ours.pop("cache_folder")[1] is None
+        assert ours.pop("cache_folder")[1] is None and ours.pop("storage_options")[1] is None
         assert list(ours.items()) == list(_parameters(flairs.__init__).items()), builder.__name__
     ours = _parameters(MappedCorpus.from_column_files)
-    assert ours.pop("cache_folder")[1] is None
+    assert ours.pop("cache_folder")[1] is None and ours.pop("storage_options")[1] is None
     passed_on = {**_parameters(ColumnDataset.__init__), **_parameters(Corpus.__init__)}
     column_corpus = _parameters(ColumnCorpus.__init__)
     column_corpus.pop("corpusargs")
