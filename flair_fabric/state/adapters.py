@@ -167,22 +167,32 @@ def weights_from_merged(
 # --- checkpoints of the adapters' size --------------------------------------------------------------------------------
 
 
+def _frozen_base(model: torch.nn.Module) -> set[str]:
+    """The names of the frozen parameters that are not adapter weights (an adapter weight the DDP probe froze is
+    still the adapters', so a checkpoint of one number of processes resumes on another)."""
+    prefixes = tuple(f"{name}." if name else "" for name, _ in adapted_embeddings(model))
+    return {
+        name
+        for name, parameter in model.named_parameters()
+        if not parameter.requires_grad and not (name.startswith(prefixes) and ".lora_" in name)
+    }
+
+
 def trainable_keys(model: torch.nn.Module) -> set[str] | None:
-    """The state keys a checkpoint of ``model`` keeps: its trainable parameters and its buffers, leaving out the
-    frozen base; ``None`` (everything) for a model without adapters."""
+    """The state keys a checkpoint of ``model`` keeps: its adapters' and other trainable weights and its buffers,
+    leaving out the frozen base; ``None`` (everything) for a model without adapters."""
     if not has_adapters(model):
         return None
-    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    frozen = _frozen_base(model)
     return {key for key in model.state_dict() if key not in frozen}
 
 
 def load_model_state(model: torch.nn.Module, stored: dict[str, Any]) -> None:
-    """Load a checkpoint's model state into ``model``: everything, or for a model with adapters at least its trainable
-    part (the frozen base stays as the model was built, from its own source). Anything else missing, or anything
+    """Load a checkpoint's model state into ``model``: everything, or for a model with adapters at least all but the
+    frozen base (which stays as the model was built, from its own source). Anything else missing, or anything
     unexpected, raises as ``load_state_dict`` does."""
-    frozen = {name for name, parameter in model.named_parameters() if not parameter.requires_grad}
     missing = set(model.state_dict()) - set(stored)
-    if has_adapters(model) and missing and missing <= frozen and set(stored) <= set(model.state_dict()):
+    if has_adapters(model) and missing and missing <= _frozen_base(model) and set(stored) <= set(model.state_dict()):
         model.load_state_dict(stored, strict=False)
     else:
         model.load_state_dict(stored)

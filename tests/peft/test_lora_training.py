@@ -63,8 +63,9 @@ class _Buckets(TrainerPlugin):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """flair's ModelTrainer in one process; FabricTrainer in one process with a checkpoint every 3 steps (6 a
-    epoch); on 2 forked ranks; and on 2 forked ranks resumed from the one-process run's checkpoint after step 3."""
+    """flair's ModelTrainer in one process; FabricTrainer in one process and on 2 forked ranks with a checkpoint every
+    3 steps (6 an epoch); on 2 forked ranks resumed from the one-process run's checkpoint after step 3, and in one
+    process from the 2-rank run's."""
     out = tmp_path_factory.mktemp("lora")
     corpus = small_trec(**SIZES)
     bert = make_tiny_bert(out / "bert", corpus)
@@ -73,13 +74,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     one = lora_classifier(corpus, bert, WITH_THE_POOLER)
     FabricTrainer(one, corpus).train(out / "one", checkpoint_every_n_steps=3, keep_checkpoints=10, **ARGUMENTS)
     two = lora_classifier(corpus, bert, WITH_THE_POOLER)
-    FabricTrainer(two, corpus).train(out / "two", plugins=[_Buckets(out)], **TWO_RANKS)
+    every_3 = {"checkpoint_every_n_steps": 3, "keep_checkpoints": 10}
+    FabricTrainer(two, corpus).train(out / "two", plugins=[_Buckets(out)], **TWO_RANKS, **every_3)
     mid_epoch = complete_checkpoints(out / "one")[0]
     assert mid_epoch.name == "step-000000003"
     shutil.copytree(mid_epoch, out / "resumed" / "checkpoints" / mid_epoch.name)
     resumed = lora_classifier(corpus, bert, WITH_THE_POOLER)
     FabricTrainer(resumed, corpus).train(out / "resumed", resume_from="auto", **TWO_RANKS)
-    models = {"flair": flair_model, "one": one, "two": two, "resumed": resumed}
+    two_ranks_mid_epoch = complete_checkpoints(out / "two")[0]  # the pooler's adapter weights frozen by the probe
+    shutil.copytree(two_ranks_mid_epoch, out / "back" / "checkpoints" / two_ranks_mid_epoch.name)
+    back = lora_classifier(corpus, bert, WITH_THE_POOLER)
+    FabricTrainer(back, corpus).train(out / "back", resume_from="auto", **ARGUMENTS)
+    models = {"flair": flair_model, "one": one, "two": two, "resumed": resumed, "back": back}
     return {"out": out, "bert": bert, "corpus": corpus, "models": models, "checkpoint": mid_epoch}
 
 
@@ -94,7 +100,7 @@ def test_lora_on_two_ranks_and_resumed_from_one_equals_flair_in_one_process(runs
     flair_trained = trainable_weights(models["flair"])
     assert any(".lora_A." in name for name in flair_trained) and any("decoder" in name for name in flair_trained)
     _close(trainable_weights(models["one"]), flair_trained, 0.0, "one process")
-    for run in ("two", "resumed"):  # the pooler's adapter weights, frozen by the probe, are compared too
+    for run in ("two", "resumed", "back"):  # the pooler's adapter weights, frozen by the probe, compared too
         _close({name: models[run].state_dict()[name] for name in flair_trained}, flair_trained, 1e-5, run)
     assert (models["flair"].state_dict()[f"{POOLER}B.default.weight"] == 0).all(), "never trained"
     pretrained = pretrained_weights(runs["bert"])
@@ -105,6 +111,7 @@ def test_lora_on_two_ranks_and_resumed_from_one_equals_flair_in_one_process(runs
         assert changed == [], run  # (flair adds a row to the word embeddings for its context marker)
     log = (runs["out"] / "resumed" / "training.log").read_text()
     assert "resuming a checkpoint of 1 process(es) on 2" in log
+    assert "resuming a checkpoint of 2 process(es) on 1" in (runs["out"] / "back" / "training.log").read_text()
 
 
 def test_adapter_weights_without_gradient_are_frozen_with_one_warning_not_an_unused_parameter_search(
@@ -144,13 +151,12 @@ def test_final_model_pt_loads_with_stock_flair_in_a_fresh_process_and_predicts_a
     runs: dict[str, Any],
 ) -> None:
     texts = [sentence.to_original_text() for sentence in runs["corpus"].test] + ["what is the capital of peru ?"]
-    for run in ("two", "one"):
-        loaded = predict_in_a_fresh_process(runs["out"] / run / "final-model.pt", texts)
-        assert loaded["imported"] == [], "neither flair-fabric nor peft"
-        sentences = [Sentence(text) for text in texts]
-        model = runs["models"][run]
-        model.predict(sentences)
-        assert loaded["labels"] == [sentence.get_label(model.label_type).value for sentence in sentences], run
+    loaded = predict_in_a_fresh_process(runs["out"] / "two" / "final-model.pt", texts)
+    assert loaded["imported"] == [], "neither flair-fabric nor peft"
+    sentences = [Sentence(text) for text in texts]
+    model = runs["models"]["two"]
+    model.predict(sentences)
+    assert loaded["labels"] == [sentence.get_label(model.label_type).value for sentence in sentences]
 
 
 def test_the_model_file_holds_the_weights_of_peft_s_own_merge(runs: dict[str, Any]) -> None:
