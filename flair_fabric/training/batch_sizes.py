@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from flair_fabric.state.training_state import read_progress
+from flair_fabric.state.training_state import PROGRESS, read_progress
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 
 
@@ -62,7 +62,7 @@ def check_batch_options(arguments: TrainArguments) -> None:
             "group_by_length=True with a sampler: the sampler decides the epoch's order, group_by_length would undo"
             " it; pass one of them."
         )
-    if arguments.resume_folder is not None:
+    if arguments.resume_folder is not None and (arguments.resume_folder / PROGRESS).is_file():  # (this machine's)
         saved = read_progress(arguments.resume_folder)
         saved.check_same_grouping(arguments.group_by_length_window if arguments.group_by_length else 0)
         saved.global_batch_changes(arguments.global_batch_size, arguments.global_batch_size_given)
