@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "store_checkpoints.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = [
+    table: list[str] = [
         "# Checkpoints to an S3 bucket during training (`benchmarks/store_checkpoints.py`)",
         "",
-        result["what"],
+        str(result["what"]),
         "",
         "| checkpoints | epoch seconds (median) | ratio to none |",
         "|---|---|---|",
