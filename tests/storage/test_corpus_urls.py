@@ -26,6 +26,7 @@ from ..data.reference import COLUMN_FORMAT, COLUMNS, CSV, FASTTEXT, describe_spl
 from ..storage_server import BUCKET, KEY_ID, SECRET, S3Server
 from ..support import REPO
 from .read_only_server import READ_ONLY_BUCKET, read_only_bucket
+from .test_bad_urls import _absent_package_scheme
 
 OPEN = {"sample_missing_splits": False}
 
@@ -65,8 +66,19 @@ def _files_hold_no_secret(*folders: Path) -> None:
 
 
 def test_a_corpus_in_the_bucket_reads_as_flair_reads_its_files_is_published_once_and_downloaded_elsewhere(
-    s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    recorded = _Recorded()
+    logging.getLogger("flair").addHandler(recorded)
+    try:
+        _published_once_and_downloaded_elsewhere(tmp_path, monkeypatch)
+    finally:
+        logging.getLogger("flair").removeHandler(recorded)
+    assert any("Reading data from s3://bucket/ner" in message for message in recorded.messages)
+    assert not [message for message in recorded.messages if SECRET in message or KEY_ID in message]
+
+
+def _published_once_and_downloaded_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     local = _column_sources(tmp_path / "src")
     url = _upload(local, "ner")
     reference = ColumnCorpus(local, COLUMN_FORMAT)
@@ -101,7 +113,7 @@ def test_a_corpus_in_the_bucket_reads_as_flair_reads_its_files_is_published_once
     )
     assert len({name.split("/")[0] for name in _published(f"ner/{STORE_FOLDER}", options)}) == 2
     _files_hold_no_secret(tmp_path)
-    assert SECRET not in caplog.text and all(SECRET.encode() not in data for data in published.values())
+    assert all(SECRET.encode() not in data for data in published.values())
 
 
 def test_classification_and_csv_files_in_the_bucket_read_as_flair_reads_them(s3: S3Server, tmp_path: Path) -> None:
@@ -150,6 +162,11 @@ def test_bad_urls_are_one_line_naming_the_argument_and_the_fix_and_nothing_is_wr
     _upload(_column_sources(tmp_path / "src"), "bad")
     message = _refused("nosuch://bucket/ner", cache)
     assert message.startswith("data_folder='nosuch://bucket/ner': unknown URL scheme nosuch://; fsspec knows:")
+    scheme, package = _absent_package_scheme()
+    assert _refused(f"{scheme}://bucket/ner", cache) == (
+        f"data_folder='{scheme}://bucket/ner': {scheme}:// needs {package}, which is not installed:"
+        f" pip install {package}."
+    )
     no_folder = "no such folder (nothing under it): pass the sources' URL."
     assert _refused("s3://no-such-bucket/ner", cache) == f"data_folder='s3://no-such-bucket/ner': {no_folder}"
     assert _refused(f"s3://{BUCKET}/absent", cache) == f"data_folder='s3://{BUCKET}/absent': {no_folder}"
@@ -256,6 +273,17 @@ def test_two_jobs_building_the_same_corpus_at_once_both_build_and_publish_the_sa
     _files_hold_no_secret(tmp_path)
 
 
+class _Recorded(logging.Handler):
+    """Keeps every message of flair's logger (which does not propagate to the root: caplog does not see it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 class _Waiting(logging.Handler):
     """Sets ``event`` when flair-fabric logs that it waits for the first node."""
 
@@ -344,3 +372,35 @@ def test_file_and_memory_urls_work_as_a_bucket_and_meta_json_is_published_last(
     fetched = MappedCorpus.from_column_files(local, COLUMN_FORMAT, cache_folder=store, **OPEN)
     assert (fetched.built, fetched.downloaded) == (False, True)
     assert _entry_files(fetched) == {f"{entry.name}/{path.name}": path.read_bytes() for path in entry.iterdir()}
+
+
+def test_a_process_of_another_node_waits_at_most_the_wait_limit_then_names_the_entry_and_the_fix(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node rank 1 and nothing published, FLAIR_FABRIC_CORPUS_WAIT=1: a TimeoutError within seconds that names the
+    entry's meta.json and the fix; nothing is left in the node-local cache."""
+    for name in ("GROUP_RANK", "SLURM_NODEID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setenv("FLAIR_FABRIC_CORPUS_WAIT", "1")
+    url = _upload(_column_sources(tmp_path / "src"), "alone")
+    raised: list[TimeoutError] = []
+
+    def open_alone() -> None:
+        try:
+            MappedCorpus.from_column_files(url, COLUMN_FORMAT, cache_folder=tmp_path / "node-1", **OPEN)
+        except TimeoutError as error:  # the thread hands the error the test expects to it
+            raised.append(error)
+
+    waiting = threading.Thread(target=open_alone, daemon=True)
+    waiting.start()
+    waiting.join(timeout=20)
+    assert not waiting.is_alive(), "still waiting 20 s after a limit of 1 s"
+    assert len(raised) == 1, "no TimeoutError"
+    message = str(raised[0])
+    assert (
+        message.startswith(f"waited 1 s for {url}/{STORE_FOLDER}/remote-") and "/meta.json, which a process" in message
+    )
+    assert message.endswith("open the same corpus there, or raise FLAIR_FABRIC_CORPUS_WAIT")
+    assert [path.name for path in (tmp_path / "node-1").iterdir()] == ["locks"]
+    assert not _published(f"alone/{STORE_FOLDER}")
