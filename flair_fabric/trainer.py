@@ -23,7 +23,9 @@ from torch.utils.data import Subset
 from flair_fabric.distributed.lockstep import DEFERRED_EVENTS
 from flair_fabric.launch.config import make_launch_config
 from flair_fabric.launch.environment import is_or_starts_global_zero, restarted_by_torchrun
+from flair_fabric.launch.ray_train import resume_under_ray
 from flair_fabric.launch.runner import run_job
+from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from flair_fabric.state.adapters import check_adapters
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.policy import CheckpointPolicy
@@ -52,6 +54,8 @@ class FabricTrainer(ModelTrainer):
     flair-fabric's (checkpoints and resume, ``balance_batches``, ``val_check_interval``, ...; the README's table lists
     them all). ``devices=2`` in a script is enough: Fabric relaunches it per extra device (not under ``torchrun``).
     """
+
+    valid_events = ModelTrainer.valid_events | {CHECKPOINT_SAVED}  # a checkpoint is complete (the Ray report's)
 
     def __init__(self, model: flair.nn.Model, corpus: Corpus) -> None:
         super().__init__(model, corpus)
@@ -144,6 +148,7 @@ class FabricTrainer(ModelTrainer):
         resume_from = options.resume_from
         if resume_from is None and restarted_by_torchrun():
             resume_from = "auto"  # an elastic restart continues from the last checkpoint
+        resume_from = resume_under_ray(resume_from, flair_arguments.base_path)  # the newest: Ray's or base_path's
         if store is not None:  # only complete checkpoints in the store count; global rank 0's machine downloads it
             resume_folder, start_epoch = checkpoint_in_store_to_resume(
                 store, self.model, flair_arguments.epoch, resume_from, download=is_or_starts_global_zero()

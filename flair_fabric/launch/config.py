@@ -262,10 +262,10 @@ def check_external_launch(devices: int | list[int], num_nodes: int | str, launch
 
 
 def check_no_foreign_process_group(world_size: int, launched: ExternalLaunch | None) -> None:
-    """Refuse a run inside a process group that another engine made (Ray Train makes one of N before the training
-    function runs, and sets no variable Fabric reads): the run would be a world of its own, and N copies would each
-    train alone into the same ``base_path``, in silence. Under torchrun or SLURM a group of the run's size is the
-    run's own (a script may make it first)."""
+    """Refuse a run inside a process group that another engine made: the run would be a world of its own, and N
+    copies would each train alone into the same ``base_path``, in silence. Under Ray Train, torchrun or SLURM a group
+    of the run's size is the run's own (Ray makes it before the training function runs; a script may make it
+    first)."""
     existing = foreign_process_group_size()
     if existing is None or (existing == world_size and (launched is not None or world_size == 1)):
         return
@@ -273,9 +273,9 @@ def check_no_foreign_process_group(world_size: int, launched: ExternalLaunch | N
         f"this process is one of {existing} in a process group that exists already (made by Ray Train, another engine,"
         f" or the script), but this run would be {world_size} process(es) of its own, started"
         f" {'by ' + launched.launcher if launched else 'here'}: each of the {existing} would train alone. flair-fabric"
-        " does not run inside another engine's process group yet: start the job with torchrun or SLURM (devices and"
-        " num_nodes 'auto'), or with devices=N from one process, or destroy the group first"
-        " (torch.distributed.destroy_process_group())."
+        " runs inside Ray Train's process group (a TorchTrainer's training function), not another engine's: start the"
+        " job with Ray Train, torchrun or SLURM (devices and num_nodes 'auto'), or with devices=N from one process, or"
+        " destroy the group first (torch.distributed.destroy_process_group())."
     )
 
 
@@ -292,7 +292,8 @@ def check_num_nodes(num_nodes: Any) -> int | str:
 
 
 def resolve_num_nodes(num_nodes: int | str, launched: ExternalLaunch | None) -> int:
-    """The number of machines: ``num_nodes`` as given; for ``"auto"`` the launcher's (torchrun's, SLURM's), else 1."""
+    """The number of machines: ``num_nodes`` as given; for ``"auto"`` the launcher's (Ray's, torchrun's, SLURM's),
+    else 1."""
     if num_nodes != AUTO:
         return int(num_nodes)
     return launched.num_nodes if launched is not None else 1

@@ -28,6 +28,8 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
+from flair_fabric.launch.ray_train import RayEnvironment, ray_world
+
 # What mpirun / mpiexec (Open MPI, MPICH and Intel MPI through PMI or PMIx, MVAPICH) put into each process it starts.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 
@@ -43,7 +45,11 @@ class ExternalLaunch:
 
 
 def external_launch() -> ExternalLaunch | None:
-    """The launcher that started this process (torchrun or SLURM), or ``None`` for an ordinary script."""
+    """The launcher that started this process (Ray Train, torchrun or SLURM), or ``None`` for an ordinary script.
+    Ray first: a Ray cluster started inside a SLURM job has SLURM's variables in every worker."""
+    ray = ray_world()
+    if ray is not None:
+        return ExternalLaunch("Ray", ray.local_world_size, ray.num_nodes, ray.described())
     if SLURMEnvironment.detect():
         tasks = int(os.environ["SLURM_NTASKS"])
         nodes = int(os.environ.get("SLURM_NNODES", "1"))
@@ -90,7 +96,10 @@ def started_by_mpi_launcher() -> bool:
 def cluster_environment() -> ClusterEnvironment:
     """The cluster environment Fabric would choose (torchrun, SLURM, LSF, MPI, else Lightning's own), in Fabric's
     order, except that MPI is asked only when an MPI launcher started this process: ``MPIEnvironment.detect()``
-    initialises MPI, which aborts the process where Open MPI cannot start its daemon."""
+    initialises MPI, which aborts the process where Open MPI cannot start its daemon. Inside a Ray Train worker:
+    :class:`~flair_fabric.launch.ray_train.RayEnvironment` (Fabric has none for Ray)."""
+    if RayEnvironment.detect():
+        return RayEnvironment()
     for environment in (TorchElasticEnvironment, SLURMEnvironment, LSFEnvironment):
         if environment.detect():
             return environment()

@@ -16,6 +16,7 @@ import torch
 
 from flair_fabric.distributed.fingerprints import model_fingerprint
 from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
+from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
 from flair_fabric.state.run_state import EpochEnd, ResumePoint
 from flair_fabric.state.training_state import (
@@ -121,6 +122,7 @@ class Checkpointing:
             temporary = folder.parent / f".{name}.tmp"
             run.uploads.checkpoint(folder if folder.is_dir() else temporary if temporary.is_dir() else None, name)
         progress.last_checkpoint = time.monotonic()
+        trainer.dispatch(CHECKPOINT_SAVED, folder=folder, epoch=progress.epoch, step=progress.batch_count)
         where = f"step {progress.step_in_epoch} of epoch {progress.epoch + 1}" if progress.step_in_epoch else ""
         log.info(f"saved the training state after {where or f'epoch {progress.epoch}'} to {folder}")
 

@@ -19,7 +19,9 @@ from lightning.fabric import Fabric
 from torch.utils.data import Dataset, Subset
 
 from flair_fabric.data.stored import builds_anew
+from flair_fabric.launch.ray_train import ray_train_context
 from flair_fabric.plugins.flair_fixes import attach_builtin_plugins, for_world_size, release_unattached
+from flair_fabric.plugins.ray_report import RayReportPlugin
 from flair_fabric.strategies import strategy_name
 from flair_fabric.training.arguments import FlairArguments, TrainArguments
 from flair_fabric.training.interface import FlairTrainer
@@ -70,6 +72,8 @@ def attach_plugins(
         epoch=arguments.start_epoch,
         loss_rows_by_step=step_of if arguments.val_check_interval is not None else None,
     )
+    if ray_train_context() is not None:  # every rank reports checkpoints and metrics to Ray Train
+        RayReportPlugin().attach_to(cast(Pluggable, trainer))
     return plugins
 
 
