@@ -70,6 +70,18 @@ def check_tracker_stores(loggers: Any, argv: Sequence[str]) -> None:
                 raise ConfigError(f"{where('loggers', argv)}: loggers[{index}].init_args.tracking_uri: {problem}")
 
 
+def check_engine(engine: Any, argv: Sequence[str]) -> None:
+    """``engine: ray`` needs Ray Train (the ``[ray]`` extra): refused before torch or flair is imported, naming it."""
+    if engine != "ray":
+        return
+    from flair_fabric.launch.ray_train import RayNotInstalled, require_ray_train
+
+    try:
+        require_ray_train("engine: ray")
+    except RayNotInstalled as missing:
+        raise ConfigError(f"{where('engine', argv)}: {missing}") from None
+
+
 def _class_help(argv: Sequence[str]) -> tuple[str, str] | None:
     """``("model", "flair.models.SequenceTagger")`` for ``--model.help flair.models.SequenceTagger``, else ``None``."""
     for index, each in enumerate(argv):
@@ -96,6 +108,7 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
         first = _parse(make_parser(method), argv, method, texts)
         check_data_folders(first.get("corpus"), argv)
         check_tracker_stores(first.get("loggers"), argv)
+        check_engine(first.get("engine"), argv)
 
     from flair_fabric.shell.components import second_pass_parser  # torch, flair and Lightning load here
     from flair_fabric.shell.record import resolved_config
@@ -112,6 +125,12 @@ def checked_config(argv: Sequence[str]) -> tuple[Any, Any, Any]:
 def train(argv: Sequence[str]) -> dict:
     """Check the config, make what it describes and train; returns flair's result."""
     parser, config, given = checked_config(argv)
+    from flair_fabric.launch.ray_train import ray_train_context
+
+    if config.engine == "ray" and ray_train_context() is None:  # here: submit; in Ray's workers: train
+        from flair_fabric.shell.ray_submit import submit
+
+        return submit(list(argv), config.ray, command=train)
     from flair_fabric import FabricTrainer, LightningLoggerPlugin
     from flair_fabric.launch.environment import restarted_by_torchrun
     from flair_fabric.shell.components import make_components

@@ -21,6 +21,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from flair_fabric.launch.arguments import LightningArguments
 from flair_fabric.shell import values
 from flair_fabric.shell.flair_signature import METHODS, NO_DEFAULT, FlairParameter, method_parameters
+from flair_fabric.shell.ray_submit import RayOptions
 from flair_fabric.training.options import ANNOTATIONS, TrainingOptions
 
 _UNCHECKED = str | dict[str, Any] | list[str | dict[str, Any]] | None
@@ -163,6 +164,10 @@ def make_parser(method: str, *, class_types: dict[str, Any] | None = None) -> Ar
         else:
             class_types[section](parser, section)
     parser.add_class_arguments(DictionaryRule, "dictionary", help="the label dictionary made from the corpus")
+    parser.add_argument(
+        "--engine", type=Literal["local", "ray"], default="local", help="local: train here; ray: submit"
+    )
+    parser.add_class_arguments(RayOptions, "ray", help="engine: ray: the Ray cluster and Ray Train's configs")
     loggers_type = class_types["loggers"] if class_types is not None else list[dict[str, Any]]
     parser.add_argument("--loggers", type=loggers_type, default=[], help="Lightning loggers or flair-fabric trackers")
     parser.add_argument(
@@ -202,4 +207,5 @@ def all_keys(method: str) -> list[str]:
     keys = ["seed", *CLASS_SECTIONS, "loggers", "trainer.method", "trainer.optimizer_kwargs"]
     keys += [f"{section}.{part}" for section in CLASS_SECTIONS for part in ("class_path", "init_args")]
     keys += [f"dictionary.{each.name}" for each in fields(DictionaryRule)]
+    keys += ["engine", *(f"ray.{each.name}" for each in fields(RayOptions))]
     return keys + [f"trainer.{key.name}" for key in trainer_keys(method)]
