@@ -26,7 +26,6 @@ from flair_fabric.launch.environment import is_or_starts_global_zero, restarted_
 from flair_fabric.launch.ray_train import resume_under_ray
 from flair_fabric.launch.runner import run_job
 from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
-from flair_fabric.state.adapters import check_adapters
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.policy import CheckpointPolicy
 from flair_fabric.state.training_state import checkpoint_to_resume
@@ -182,7 +181,6 @@ class FabricTrainer(ModelTrainer):
         if self.corpus.train is None:
             raise ValueError("the corpus has no train split: FabricTrainer needs training data (corpus.train).")
         check_writable_folder(a.base_path)
-        check_adapters(self.model)  # adapters whose model files cannot be written plain (docs/peft.md)
         size = _len_dataset(self._get_train_data(a.train_with_dev, a.train_with_test))
         if size == 0:
             raise ValueError("the train split is empty: FabricTrainer needs at least one training data point.")

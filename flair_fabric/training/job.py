@@ -17,6 +17,7 @@ from lightning.fabric import Fabric
 
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.runner import Job
+from flair_fabric.state.adapters import check_adapters
 from flair_fabric.state.safe_loading import as_plain_data
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Preempted
@@ -70,6 +71,7 @@ class TrainingJob(Job):
 
     def __init__(self, trainer: RunsOnRanks, arguments: TrainArguments) -> None:
         super().__init__()
+        check_adapters(trainer.model)  # before launch: adapters whose model files cannot be written (docs/peft.md)
         self.trainer, self.arguments = trainer, arguments
         self.preemption_signal = arguments.checkpoints.requeue_signal
         self.started = time.time()
