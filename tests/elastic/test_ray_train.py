@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import ray  # the dev extra holds ray[train]: where it is missing these tests fail, they never skip
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from . import ray_jobs
@@ -52,7 +52,7 @@ def _fit(train_func: Any, config: dict, storage: Path, **run: Any) -> Any:
     )
     try:
         return trainer.fit()
-    except Exception as error:  # Ray's TrainingFailedError: the workers' error
+    except TrainingFailedError as error:  # a worker's error, or a hang past Ray's timeout
         pytest.fail(f"the Ray run failed: {error}")
 
 
@@ -158,7 +158,7 @@ def test_the_train_command_submits_its_config_to_ray_and_trains_as_one_process(c
     submitted += ["--trainer.checkpoint_every_n_epochs", "1"]  # reported to Ray: the run was Ray's
     try:
         train([str(config), "--trainer.base_path", str(tmp_path / "on-ray"), *submitted])
-    except Exception as error:  # Ray's TrainingFailedError: the workers' error
+    except TrainingFailedError as error:  # a worker's error, or a hang past Ray's timeout
         pytest.fail(f"the Ray run failed: {error}")
     reported = list((tmp_path / "ray").glob("*/checkpoint_*/progress.json"))
     assert len(reported) == 1, "the epoch's checkpoint reached Ray's storage_path"
