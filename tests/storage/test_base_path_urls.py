@@ -19,7 +19,7 @@ from flair.models import TextClassifier
 from flair.trainers.plugins import TrainerPlugin
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from flair_fabric import FabricTrainer
+from flair_fabric import FabricTrainer, FlairFSDPStrategy
 from flair_fabric.state.run_store import MARKER, RunStore
 from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
 from flair_fabric.state.uploads import Uploads
@@ -65,10 +65,12 @@ def _staged_in(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Path:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp_fork", "fsdp"])
 def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_the_uninterrupted_weights(
-    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, strategy: str
 ) -> None:
-    """2 forked ranks train into s3://bucket/killed with a checkpoint every 2 steps and are SIGKILLed at step 11 (of
+    """2 forked ranks (DDP, or FSDP with its sharded checkpoints: a part per rank) train into s3://bucket/killed-...
+    with a checkpoint every 2 steps and are SIGKILLed at step 11 (of
     24, in epoch 2 of 3). One process on a machine folder that never saw that run resumes with resume_from="auto" from
     the bucket alone: its weights are those of an uninterrupted run (within 1e-5), the bucket's loss.tsv has its train
     losses, final-model.pt in the bucket loads in flair and holds the trained weights; no credential is in any object,
@@ -76,11 +78,12 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     corpus = small_trec(train_size=45)
     whole = tiny_text_classifier(corpus)
     FabricTrainer(whole, corpus).fine_tune(tmp_path / "whole", devices=1, **SETTINGS)
-    url = f"s3://{BUCKET}/killed"
+    url = f"s3://{BUCKET}/killed-{strategy}"
     _staged_in(monkeypatch, tmp_path / "first-machine")
+    launch = FlairFSDPStrategy(start_method="fork") if strategy == "fsdp" else strategy
     with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(
-            url, devices=2, strategy="ddp_fork", checkpoint_every_n_steps=2, plugins=[_KillAt(11)], **SETTINGS
+            url, devices=2, strategy=launch, checkpoint_every_n_steps=2, plugins=[_KillAt(11)], **SETTINGS
         )
     store = RunStore.of(url)
     complete = store.complete_checkpoints()
@@ -94,13 +97,16 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     assert f"resuming from {url}/checkpoints/{complete[-1]}" in caplog.text
     assert state_dict_difference(resumed.state_dict(), whole.state_dict()) <= 1e-5
 
-    objects = _objects("killed")
-    rows = [line.split("\t") for line in objects[f"{BUCKET}/killed/loss.tsv"].decode().splitlines()]
+    objects = _objects(f"killed-{strategy}")
+    if strategy == "fsdp":  # a sharded checkpoint: a folder of parts, all listed in the marker
+        listed = store.read_marker(complete[-1])["files"]
+        assert any(name.startswith("state.ckpt/") and name.endswith(".distcp") for name in listed), listed
+    rows = [line.split("\t") for line in objects[f"{BUCKET}/killed-{strategy}/loss.tsv"].decode().splitlines()]
     expected = [line.split("\t") for line in (tmp_path / "whole" / "loss.tsv").read_text().splitlines()]
     column = rows[0].index("TRAIN_LOSS")
     assert [float(row[column]) for row in rows[1:]] == pytest.approx([float(row[column]) for row in expected[1:]])
     final = tmp_path / "final-model.pt"
-    final.write_bytes(objects[f"{BUCKET}/killed/final-model.pt"])
+    final.write_bytes(objects[f"{BUCKET}/killed-{strategy}/final-model.pt"])
     assert state_dict_difference(TextClassifier.load(final).state_dict(), resumed.state_dict()) == 0.0
 
     secret = SECRET.encode()
