@@ -20,7 +20,7 @@ from . import ray_jobs
 
 pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parents[2]
-RAY_TIMEOUT_S = 90
+RAY_TIMEOUT_S = 45
 """Ray's process group's timeout in these tests: a collective that waits for a lost worker fails after it."""
 
 
