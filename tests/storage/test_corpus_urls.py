@@ -29,14 +29,16 @@ from .read_only_server import READ_ONLY_BUCKET, read_only_bucket
 from .test_bad_urls import _absent_package_scheme
 
 OPEN = {"sample_missing_splits": False}
+ROOT = "corpora"
+"""This module's prefix in the session's bucket (other tests write theirs)."""
 
 
 def _upload(folder: Path, prefix: str) -> str:
-    """The files of ``folder`` put under ``s3://bucket/<prefix>/``; returns that URL."""
+    """The files of ``folder`` put under ``s3://bucket/corpora/<prefix>/``; returns that URL."""
     fs = fsspec.filesystem("s3")
     for path in sorted(folder.iterdir()):
-        fs.put_file(str(path), f"{BUCKET}/{prefix}/{path.name}")
-    return f"s3://{BUCKET}/{prefix}"
+        fs.put_file(str(path), f"{BUCKET}/{ROOT}/{prefix}/{path.name}")
+    return f"s3://{BUCKET}/{ROOT}/{prefix}"
 
 
 def _column_sources(folder: Path, repeat: int = 1) -> Path:
@@ -49,7 +51,8 @@ def _published(prefix: str, options: dict | None = None) -> dict[str, bytes]:
     """Every object under ``prefix`` (relative name -> bytes)."""
     fs = fsspec.filesystem("s3", **(options or {}))
     fs.invalidate_cache()
-    return {name.removeprefix(f"{BUCKET}/{prefix}/"): fs.cat_file(name) for name in fs.find(f"{BUCKET}/{prefix}")}
+    where = f"{BUCKET}/{ROOT}/{prefix}"
+    return {name.removeprefix(f"{where}/"): fs.cat_file(name) for name in fs.find(where)}
 
 
 def _entry_files(corpus: MappedCorpus) -> dict[str, bytes]:
@@ -74,7 +77,7 @@ def test_a_corpus_in_the_bucket_reads_as_flair_reads_its_files_is_published_once
         _published_once_and_downloaded_elsewhere(tmp_path, monkeypatch)
     finally:
         logging.getLogger("flair").removeHandler(recorded)
-    assert any("Reading data from s3://bucket/ner" in message for message in recorded.messages)
+    assert any(f"Reading data from s3://{BUCKET}/{ROOT}/ner" in message for message in recorded.messages)
     assert not [message for message in recorded.messages if SECRET in message or KEY_ID in message]
 
 
@@ -103,7 +106,7 @@ def _published_once_and_downloaded_elsewhere(tmp_path: Path, monkeypatch: pytest
         url, COLUMN_FORMAT, cache_folder=tmp_path / "node-a", storage_options=options
     )
     assert (again.built, again.downloaded, again.cache_folder) == (False, False, built.cache_folder)
-    fsspec.filesystem("s3", **options).pipe(f"{BUCKET}/ner/train.txt", (COLUMNS * 2).encode())
+    fsspec.filesystem("s3", **options).pipe(f"{BUCKET}/{ROOT}/ner/train.txt", (COLUMNS * 2).encode())
     changed = MappedCorpus.from_column_files(
         url, COLUMN_FORMAT, cache_folder=tmp_path / "node-b", storage_options=options
     )
@@ -137,10 +140,14 @@ def test_local_sources_with_a_cache_url_publish_there_and_another_machine_downlo
 ) -> None:
     local = _column_sources(tmp_path / "src")
     monkeypatch.setenv("FLAIR_FABRIC_CACHE", str(tmp_path / "node-a"))
-    built = MappedCorpus.from_column_files(local, COLUMN_FORMAT, cache_folder=f"s3://{BUCKET}/shared-cache", **OPEN)
+    built = MappedCorpus.from_column_files(
+        local, COLUMN_FORMAT, cache_folder=f"s3://{BUCKET}/{ROOT}/shared-cache", **OPEN
+    )
     assert built.built and Path(built.cache_folder).parent == tmp_path / "node-a"
     monkeypatch.setenv("FLAIR_FABRIC_CACHE", str(tmp_path / "node-b"))
-    fetched = MappedCorpus.from_column_files(local, COLUMN_FORMAT, cache_folder=f"s3://{BUCKET}/shared-cache", **OPEN)
+    fetched = MappedCorpus.from_column_files(
+        local, COLUMN_FORMAT, cache_folder=f"s3://{BUCKET}/{ROOT}/shared-cache", **OPEN
+    )
     assert (fetched.built, fetched.downloaded) == (False, True)
     assert describe_split(fetched.train) == describe_split(ColumnCorpus(local, COLUMN_FORMAT).train)
     assert _published("shared-cache") == _entry_files(built) == _entry_files(fetched)
@@ -169,7 +176,8 @@ def test_bad_urls_are_one_line_naming_the_argument_and_the_fix_and_nothing_is_wr
     )
     no_folder = "no such folder (nothing under it): pass the sources' URL."
     assert _refused("s3://no-such-bucket/ner", cache) == f"data_folder='s3://no-such-bucket/ner': {no_folder}"
-    assert _refused(f"s3://{BUCKET}/absent", cache) == f"data_folder='s3://{BUCKET}/absent': {no_folder}"
+    absent = f"s3://{BUCKET}/{ROOT}/absent"
+    assert _refused(absent, cache) == f"data_folder='{absent}': {no_folder}"
     assert _refused(str(tmp_path / "src"), cache, cache_folder="s3://no-such-bucket/cache") == (
         "cache_folder='s3://no-such-bucket/cache': no-such-bucket does not exist (bucket or folder): create it first."
     )
@@ -178,9 +186,9 @@ def test_bad_urls_are_one_line_naming_the_argument_and_the_fix_and_nothing_is_wr
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     s3fs.S3FileSystem.clear_instance_cache()
-    assert _refused(f"s3://{BUCKET}/bad", cache) == (
-        f"data_folder='s3://{BUCKET}/bad': no credentials found: set the provider's variables (AWS_ACCESS_KEY_ID, ...)"
-        " or pass storage_options."
+    assert _refused(f"s3://{BUCKET}/{ROOT}/bad", cache) == (
+        f"data_folder='s3://{BUCKET}/{ROOT}/bad': no credentials found: set the provider's variables"
+        " (AWS_ACCESS_KEY_ID, ...) or pass storage_options."
     )
     assert not cache.exists() or not [path for path in cache.iterdir() if path.name != "locks"]
     assert sorted(_published_with({"key": KEY_ID, "secret": SECRET}, "bad")) == ["dev.txt", "test.txt", "train.txt"]
@@ -188,7 +196,8 @@ def test_bad_urls_are_one_line_naming_the_argument_and_the_fix_and_nothing_is_wr
 
 def _published_with(options: dict, prefix: str) -> list[str]:
     fs = fsspec.filesystem("s3", **options)
-    return [name.removeprefix(f"{BUCKET}/{prefix}/") for name in fs.find(f"{BUCKET}/{prefix}")]
+    where = f"{BUCKET}/{ROOT}/{prefix}"
+    return [name.removeprefix(f"{where}/") for name in fs.find(where)]
 
 
 def test_a_read_only_bucket_fails_at_the_first_write_naming_the_place_and_the_fix_and_leaves_nothing(
@@ -336,7 +345,7 @@ def test_a_published_file_that_differs_from_its_record_is_refused_never_read(s3:
     with a DamagedCacheError naming the file in the store and the fix; no entry is left in the node-local cache."""
     url = _upload(_column_sources(tmp_path / "src"), "tampered")
     built = MappedCorpus.from_column_files(url, COLUMN_FORMAT, cache_folder=tmp_path / "node-a", **OPEN)
-    entry = f"{BUCKET}/tampered/{STORE_FOLDER}/{Path(built.cache_folder).name}"
+    entry = f"{BUCKET}/{ROOT}/tampered/{STORE_FOLDER}/{Path(built.cache_folder).name}"
     fs = fsspec.filesystem("s3")
     data = bytearray(fs.cat_file(f"{entry}/train.arrow"))
     data[200:216] = bytes(16)
