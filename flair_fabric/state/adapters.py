@@ -220,3 +220,21 @@ def non_reentrant_checkpointing(model: torch.nn.Module) -> list[str]:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             changed.append(name)
     return changed
+
+
+def checkpoint_like(source: torch.nn.Module, copy_of_source: torch.nn.Module) -> list[str]:
+    """Turn on, non-reentrant, the gradient checkpointing of each adapted transformer in ``copy_of_source`` whose
+    counterpart in ``source`` has it on (a copy rebuilt from the flair state, FSDP's, is built without it). Returns
+    the names of the embeddings changed."""
+    on = {
+        name
+        for name, embeddings in adapted_embeddings(source)
+        if getattr(embeddings.model.get_base_model(), "is_gradient_checkpointing", False)
+    }
+    changed = []
+    for name, embeddings in adapted_embeddings(copy_of_source):
+        if name in on:
+            base = embeddings.model.get_base_model()
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            changed.append(name)
+    return changed

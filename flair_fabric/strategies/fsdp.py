@@ -38,6 +38,7 @@ from torch.distributed.fsdp import (
 from torch.nn import Module
 
 from flair_fabric.distributed.stalls import DEFAULT_COLLECTIVE_TIMEOUT
+from flair_fabric.state.adapters import checkpoint_like
 from flair_fabric.state.model_state import copy_model
 from flair_fabric.strategies.base import Prepared, SetUp, StartMethod, StartsProcesses, TrainingStrategy
 from flair_fabric.strategies.sharded_state import full_state_dict, held_bytes, load_full_state_dict
@@ -279,6 +280,8 @@ class Sharded(TrainingStrategy):
         fabric, model, make_optimizer = run.fabric, run.model, run.make_optimizer
         self.copy = ShardedCopy(model)
         working = self.copy.working_model
+        if checkpoint_like(model, working):  # the copy is rebuilt without the caller's gradient checkpointing
+            log.info("peft: the sharded copy checkpoints its transformer's gradients too (non-reentrant)")
         module = fabric.setup_module(working)
         module.mark_forward_method("forward_loss")
         optimizer = cast(torch.optim.Optimizer, fabric.setup_optimizers(make_optimizer(working)))  # over the shards

@@ -144,7 +144,7 @@ def test_a_config_with_a_peft_config_class_trains_the_weights_of_the_equivalent_
 
 
 class _Checkpointing(TrainerPlugin):
-    """Records, on every rank after set-up, whether the transformer's gradient checkpointing is reentrant."""
+    """Records, on every rank after set-up, whether the trained model's gradient checkpointing is reentrant."""
 
     def __init__(self, out: Path) -> None:
         super().__init__()
@@ -157,9 +157,12 @@ class _Checkpointing(TrainerPlugin):
         (self.out / f"reentrant-{self.trainer.global_rank}.json").write_text(json.dumps(reentrant))
 
 
-def test_gradient_checkpointing_is_made_non_reentrant_under_ddp_where_it_searches_for_unused_parameters(
-    setting: dict[str, Any], tmp_path: Path
+@pytest.mark.parametrize("strategy", ["ddp_fork_find_unused_parameters_true", "fsdp"])
+def test_gradient_checkpointing_is_non_reentrant_under_ddp_and_in_fsdps_copy(
+    setting: dict[str, Any], tmp_path: Path, strategy: str
 ) -> None:
+    """DDP where a reentrant backward marks weights ready twice; FSDP, whose copy of the model is rebuilt without
+    the caller's gradient checkpointing."""
     corpus, bert = setting["corpus"], setting["bert"]
 
     def checkpointed() -> TextClassifier:
@@ -171,10 +174,10 @@ def test_gradient_checkpointing_is_made_non_reentrant_under_ddp_where_it_searche
     reference = checkpointed()
     ModelTrainer(reference, corpus).train(tmp_path / "flair", use_final_model_for_eval=True, **ONE)
     model = checkpointed()
-    forced = "ddp_fork_find_unused_parameters_true"  # where a reentrant backward marks weights ready twice
+    chosen = FlairFSDPStrategy(start_method="fork") if strategy == "fsdp" else strategy
     try:
-        options = {**TWO, "strategy": forced, "plugins": [_Checkpointing(tmp_path)], "use_final_model_for_eval": True}
-        FabricTrainer(model, corpus).train(tmp_path / "ddp", **options)
+        options = {**TWO, "strategy": chosen, "plugins": [_Checkpointing(tmp_path)], "use_final_model_for_eval": True}
+        FabricTrainer(model, corpus).train(tmp_path / "run", **options)
     finally:  # what the ranks trained with, also where a rank failed
         seen = [json.loads((tmp_path / f"reentrant-{rank}.json").read_text()) for rank in (0, 1)]
         assert all(rank and not any(rank) for rank in seen), seen
