@@ -28,11 +28,11 @@ from flair_fabric.launch.runner import run_job
 from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.policy import CheckpointPolicy
-from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.state.run_store import RunStore
 from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
-from flair_fabric.strategies import training_strategy
+from flair_fabric.state.training_state import checkpoint_to_resume
 from flair_fabric.storage import is_url
+from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
 from flair_fabric.training.batch_sizes import check_batch_options, mini_batch_size_left_to_global, resolve_batch_sizes
 from flair_fabric.training.evaluating import steps_between_evaluations
@@ -170,8 +170,8 @@ class FabricTrainer(ModelTrainer):
             balance_batches=options.balance_batches,
             val_check_interval=options.val_check_interval,
             chunks_on_out_of_memory=auto_chunks,
-        )
             store=store,
+        )
         self._check_run(arguments)
         return run_job(TrainingJob(self, arguments), launch)
 
