@@ -22,19 +22,14 @@ from torch.utils.data import Subset
 
 from flair_fabric.distributed.lockstep import DEFERRED_EVENTS
 from flair_fabric.launch.config import make_launch_config
-from flair_fabric.launch.environment import is_or_starts_global_zero, restarted_by_torchrun
-from flair_fabric.launch.ray_train import resume_under_ray
 from flair_fabric.launch.runner import run_job
 from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from flair_fabric.state.model_files import check_writable_folder
 from flair_fabric.state.policy import CheckpointPolicy
-from flair_fabric.state.run_store import RunStore
-from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
-from flair_fabric.state.training_state import checkpoint_to_resume
-from flair_fabric.storage import is_url
 from flair_fabric.strategies import training_strategy
 from flair_fabric.training.arguments import FlairArguments, TrainArguments, split_added_arguments, with_flair_signature
 from flair_fabric.training.batch_sizes import check_batch_options, mini_batch_size_left_to_global, resolve_batch_sizes
+from flair_fabric.training.continuing import checkpoint_to_continue, run_store
 from flair_fabric.training.evaluating import steps_between_evaluations
 from flair_fabric.training.job import TrainingJob
 from flair_fabric.training.progress_bar import show_progress_bar
@@ -65,8 +60,7 @@ class FabricTrainer(ModelTrainer):
 
     @property
     def fabric(self) -> Fabric | None:
-        """The run's Fabric (collectives for plugins), the last run's after it; ``None`` before any run (or in a caller
-        of spawned or forked workers, which is no rank)."""
+        """The run's Fabric (collectives for plugins), the last run's after it; ``None`` before a run, in a caller."""
         return self._fabric
 
     @property
@@ -124,7 +118,7 @@ class FabricTrainer(ModelTrainer):
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
         kwargs = mini_batch_size_left_to_global(ModelTrainer.train_custom, args, kwargs)
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
-        store = _store_of(base_path)
+        store = run_store(base_path)
         bound = FlairArguments.bind(self, store.local if store else base_path, *args, **flair_kwargs)
         flair_arguments, auto_chunks = bound.without_automatic_chunks()
         options.check()
@@ -144,18 +138,9 @@ class FabricTrainer(ModelTrainer):
             keep=options.keep_checkpoints,
             requeue_signal=options.requeue_signal,
         )
-        resume_from = options.resume_from
-        if resume_from is None and restarted_by_torchrun():
-            resume_from = "auto"  # an elastic restart continues from the last checkpoint
-        resume_from = resume_under_ray(resume_from, flair_arguments.base_path)  # the newest: Ray's or base_path's
-        if store is not None:  # only complete checkpoints in the store count; global rank 0's machine downloads it
-            resume_folder, start_epoch = checkpoint_in_store_to_resume(
-                store, self.model, flair_arguments.epoch, resume_from, download=is_or_starts_global_zero()
-            )
-        else:
-            resume_folder, start_epoch = checkpoint_to_resume(
-                self.model, flair_arguments.base_path, flair_arguments.epoch, resume_from
-            )
+        resume_folder, start_epoch = checkpoint_to_continue(
+            self.model, store, flair_arguments.base_path, flair_arguments.epoch, options.resume_from
+        )
         arguments = TrainArguments(
             flair=flair_arguments,
             launch=launch,
@@ -233,13 +218,3 @@ class FabricTrainer(ModelTrainer):
 
     def _load_model(self, model_file: str | Path) -> None:
         self.load_model(model_file)
-
-
-def _store_of(base_path: Any) -> RunStore | None:
-    """``base_path`` as a URL: the run's store, checked before anything starts (reachable, writable); a local path:
-    ``None``."""
-    if not is_url(base_path):
-        return None
-    store = RunStore.of(str(base_path))
-    store.check_writable()
-    return store

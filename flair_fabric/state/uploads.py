@@ -7,8 +7,10 @@ training thread at the next wait, naming the store.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,3 +86,18 @@ class Uploads:
         parts, and a checkpoint without its marker stays incomplete); uploads not started are dropped."""
         self._abandoned.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def all_uploaded(uploads: Uploads | None) -> Iterator[None]:
+    """The block's run ends with its uploads in the store: after the block every upload is waited for; a block that
+    fails (or is preempted) lets what is uploading now arrive and raises on. ``None``: no store, nothing to do."""
+    if uploads is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        uploads.abandon()
+        raise
+    uploads.finish()

@@ -26,7 +26,7 @@ from flair_fabric.state.adapters import has_adapters, weights_from_merged
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
 from flair_fabric.state.training_state import resume_folder_of_global_zero
-from flair_fabric.state.uploads import Uploads
+from flair_fabric.state.uploads import Uploads, all_uploaded
 from flair_fabric.strategies import keeps_whole_model, no_pass_synchronises, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
@@ -118,16 +118,10 @@ class TrainingRun:
             if resume_folder is not None:
                 self.progress.resume = self.checkpointing.resume(resume_folder)
             preemption = self.arguments.checkpoints.requeue_signal
-            try:
+            with all_uploaded(self.uploads):  # base_path in a store: the job ends when its files are there
                 with graceful_interrupts(self.on_signal, self.lockstep.preempt, preemption):
                     self.fit()
                 test_final_model(self)
-            except BaseException:
-                if self.uploads is not None:  # a preempted or failed run: what is uploading now still arrives
-                    self.uploads.abandon()
-                raise
-            if self.uploads is not None:  # the job ends when its files are in the store
-                self.uploads.finish()
             trainer.model = self.strategy.hand_back(trainer.model)
         trainer.dispatch("after_training")
         return_values = self.fabric.broadcast(trainer.return_values, src=0)
@@ -141,8 +135,6 @@ class TrainingRun:
             fabric, {"corpus": corpus_fingerprint(trainer.corpus), "model": model_fingerprint(trainer.model)}
         )
         base_path_ready(self.base_path)
-        if self.arguments.store is not None and fabric.is_global_zero:  # the store's loss.tsv, ... to continue
-            self.arguments.store.download_run_files(resuming=self.arguments.resume_folder is not None)
         self.plugins = attach_plugins(trainer, fabric, self.arguments, lambda: self.progress.batch_count)
         training_parameters = self.arguments.training_parameters(self.plugins)
         trainer.model.model_card = trainer._initialize_model_card(**training_parameters)
@@ -332,11 +324,8 @@ class TrainingRun:
         """Whether ``epoch`` is shuffled: flair's ``shuffle``, not in a first epoch if ``shuffle_first_epoch=False``."""
         return self.data.shuffle and not (not self.flair_arguments.shuffle_first_epoch and epoch == 1)
 
-    # --- model files --------------------------------------------------------------------------------------------
-
     def save_model(self, model_file: str | Path, checkpoint: bool = False) -> None:
-        """Write the model being trained once, from global rank 0 (a sharded model is gathered first). Every rank
-        calls it."""
+        """Write the model being trained once, from global rank 0 (a sharded model is gathered first); every rank."""
         self.position.at(f"saving {Path(model_file).name}")
         weights = self.strategy.whole_weights(self.trainer.model)
         save_on_global_zero(self.fabric, self.trainer.model, model_file, checkpoint, weights)
@@ -354,8 +343,6 @@ class TrainingRun:
             self.strategy.load_whole_weights(self.fabric, model, state)
 
         return load_from_global_zero(self.fabric, model, model_file, load)
-
-    # --- agreement, checkpoints ---------------------------------------------------------------------------------
 
     def global_loss(self, loss: LossTracker, *also: float) -> tuple[GlobalLoss, Agreed]:
         """The loss (and the numbers ``also``, after it in the agreed values) all-reduced over the ranks; the same
@@ -380,9 +367,12 @@ class TrainingRun:
 
 
 def machine_uploads(fabric: Fabric, arguments: TrainArguments) -> Uploads | None:
-    """With ``base_path`` in a store: the uploads of this machine (its local rank 0); ``None`` elsewhere."""
+    """With ``base_path`` in a store: the uploads of this machine (its local rank 0; ``None`` elsewhere), and global
+    rank 0's staging folder made to hold the store's run files (``loss.tsv``, ...; a resumed run's all) to continue."""
     if arguments.store is None or fabric.local_rank != 0:
         return None
+    if fabric.is_global_zero:
+        arguments.store.download_run_files(resuming=arguments.resume_folder is not None)
     return Uploads(
         arguments.store,
         node_rank=fabric.node_rank,
