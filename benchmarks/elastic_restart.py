@@ -16,12 +16,10 @@ Results: ``benchmarks/results/elastic_restart.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,9 +29,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 from common import free_port, machine  # noqa: E402
 from store_checkpoints import BUCKET, start_s3_server  # noqa: E402
+
+from tests.support import kill_with_descendants  # noqa: E402
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 LOGGED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$")
@@ -48,22 +49,6 @@ def _agent(config: Path, port: int, staging: Path, log: Path, hosts_rendezvous: 
     command = [TORCHRUN, *elastic, str(HERE / "elastic_worker.py"), str(config)]
     with log.open("w") as output:
         return subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _kill_with_descendants(pid: int) -> None:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    doomed, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        doomed.append(current)
-        queue += children.get(current, [])
-    for each in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
 
 
 def _events(log: Path) -> list[dict[str, Any]]:
@@ -107,7 +92,7 @@ def measure(work: Path, every: int, kill_at: int, train_size: int) -> dict[str, 
         _wait(lambda: any(e["world"] == 2 and e["step"] >= kill_at for e in steps()), "2 nodes reach the step")
         killed_at_step = max(e["step"] for e in steps())
         killed = time.time()
-        _kill_with_descendants(agents[1].pid)
+        kill_with_descendants(agents[1].pid)
         alone = lambda: [e for e in steps() if e["world"] == 1 and e["time"] > killed]  # noqa: E731
         _wait(lambda: bool(alone()), "the survivor's first step")
         first = alone()[0]
@@ -118,7 +103,7 @@ def measure(work: Path, every: int, kill_at: int, train_size: int) -> dict[str, 
         resumed_step = first["step"] - 1
     finally:
         for agent in agents:
-            _kill_with_descendants(agent.pid)
+            kill_with_descendants(agent.pid)
     parts = {
         "failure_to_new_process": process["time"] - killed,
         "process_to_checkpoint_downloaded": chosen - process["time"],

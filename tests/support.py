@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -446,3 +447,21 @@ def tiny_classifier_file(folder: Path) -> Path:
     corpus = small_trec()
     ModelTrainer(tiny_text_classifier(corpus), corpus).train(folder, max_epochs=1, mini_batch_size=8)
     return folder / "final-model.pt"
+
+
+def kill_with_descendants(pid: int) -> None:
+    """SIGKILL a process and every process under it, found by their parents in /proc (torchrun starts its workers in
+    sessions of their own, out of reach of a process-group kill): a machine that dies."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    doomed, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        doomed.append(current)
+        queue += children.get(current, [])
+    for each in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -16,7 +15,6 @@ from typing import Any
 import fsspec
 import pytest
 from flair.models import TextClassifier
-from flair.trainers.plugins import TrainerPlugin
 from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
@@ -25,6 +23,7 @@ from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
 from flair_fabric.state.uploads import Uploads
 from flair_fabric.storage import StorageError
 
+from ..plugin_support import KillAtStep
 from ..storage_server import BUCKET, SECRET, S3Server
 from ..support import no_training_may_start, small_trec, state_dict_difference, tiny_text_classifier
 
@@ -36,19 +35,6 @@ SETTINGS: dict[str, Any] = {
     "global_batch_size": 6,
     "max_epochs": 3,
 }
-
-
-class _KillAt(TrainerPlugin):
-    """Every rank SIGKILLs itself after optimizer step ``step``: a job that dies without a chance to save."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__()
-        self.step = step
-
-    @TrainerPlugin.hook
-    def after_training_batch(self, batch_count: int, **kw: Any) -> None:
-        if batch_count == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _objects(prefix: str) -> dict[str, bytes]:
@@ -83,7 +69,7 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     launch = FlairFSDPStrategy(start_method="fork") if strategy == "fsdp" else strategy
     with pytest.raises(ProcessExitedException, match=r"SIGKILL|signal 9"):
         FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(
-            url, devices=2, strategy=launch, checkpoint_every_n_steps=2, plugins=[_KillAt(11)], **SETTINGS
+            url, devices=2, strategy=launch, checkpoint_every_n_steps=2, plugins=[KillAtStep(11)], **SETTINGS
         )
     store = RunStore.of(url)
     complete = store.complete_checkpoints()

@@ -4,10 +4,7 @@ mid-run, the agent restarts the survivor alone, the node comes back and the job 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +24,7 @@ from ..support import (
     SCRIPTS,
     RunHung,
     free_port,
+    kill_with_descendants,
     script_env,
     small_trec,
     state_dict_difference,
@@ -61,24 +59,6 @@ def _wait_for(condition: Callable[[], bool], what: str, agents: list[subprocess.
         if all(agent.poll() is not None for agent in agents):
             raise AssertionError(f"{what}: every agent ended first")
         time.sleep(0.2)
-
-
-def _kill_with_descendants(pid: int) -> None:
-    """SIGKILL a process and every process under it (torchrun starts its workers in sessions of their own): a node
-    that dies."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    doomed, queue = [], [pid]
-    while queue:
-        current = queue.pop()
-        doomed.append(current)
-        queue += children.get(current, [])
-    for each in doomed:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(each, signal.SIGKILL)
 
 
 def _agent(config: Path, port: int, staging: Path, out: Path, hosts_rendezvous: bool) -> subprocess.Popen:
@@ -121,7 +101,7 @@ def test_a_node_lost_and_back_under_torchruns_elastic_agent_ends_at_the_uninterr
         time.sleep(1.0)  # A hosts the rendezvous store
         agents.append(_agent(config, port, tmp_path / "staging-b", out, hosts_rendezvous=False))
         _wait_for(lambda: any(s["world"] == 2 and s["step"] >= 6 for s in _steps(log)), "2 nodes trained", agents)
-        _kill_with_descendants(agents[1].pid)
+        kill_with_descendants(agents[1].pid)
         agents[1].wait()
         seen = len(_steps(log))
         alone = lambda: sum(s["world"] == 1 for s in _steps(log)[seen:]) >= 3  # noqa: E731
@@ -131,7 +111,7 @@ def test_a_node_lost_and_back_under_torchruns_elastic_agent_ends_at_the_uninterr
         agents[2].wait(timeout=60)
     finally:
         for agent in agents:
-            _kill_with_descendants(agent.pid)
+            kill_with_descendants(agent.pid)
     logs = "\n".join(path.read_text()[-3000:] for path in sorted(out.glob("agent-*.log")))
     assert [agent.returncode for agent in (agents[0], agents[2])] == [0, 0], logs
     worlds = [step["world"] for step in _steps(log) if step["rank"] == 0]
