@@ -58,9 +58,16 @@ class Host:
         _ip("-n", self.namespace, "link", "set", "ffeth0", "down")
 
     def end_everything(self) -> None:
+        """Kill what was started here, and every process left in the namespace (torchrun starts its workers in
+        sessions of their own, out of reach of the process-group kill)."""
         for process in self.started:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+        listed = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True).stdout
+        for pid in listed.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        for process in self.started:
             with contextlib.suppress(Exception):
                 process.communicate(timeout=10)
 
