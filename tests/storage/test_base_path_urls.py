@@ -97,6 +97,9 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     expected = [line.split("\t") for line in (tmp_path / "whole" / "loss.tsv").read_text().splitlines()]
     column = rows[0].index("TRAIN_LOSS")
     assert [float(row[column]) for row in rows[1:]] == pytest.approx([float(row[column]) for row in expected[1:]])
+    staging = RunStore.of(url).local  # the second machine's staging folder: its final test is in the bucket too
+    assert f"{BUCKET}/killed-{strategy}/test.tsv" in objects, sorted(objects)
+    assert objects[f"{BUCKET}/killed-{strategy}/test.tsv"] == (staging / "test.tsv").read_bytes()
     final = tmp_path / "final-model.pt"
     final.write_bytes(objects[f"{BUCKET}/killed-{strategy}/final-model.pt"])
     assert state_dict_difference(TextClassifier.load(final).state_dict(), resumed.state_dict()) == 0.0
