@@ -212,6 +212,13 @@ def test_auto_skips_a_checkpoint_without_its_marker_and_keep_removes_only_comple
     resumed = tiny_text_classifier(corpus)
     FabricTrainer(resumed, corpus).fine_tune(url, devices=1, resume_from="auto", **{**options, "max_epochs": 4})
     assert store.complete_checkpoints() == ["step-000000006", "step-000000008"]
+    cut = [store.checkpoint_url(name) for name in ("step-000000005", "step-000000009")]  # uploads cut off
+    for folder in cut:
+        fs.pipe_file(f"{folder}/state.ckpt", b"a part without its marker")
+    store.prune(1)
+    fs.invalidate_cache()
+    assert store.complete_checkpoints() == ["step-000000008"]
+    assert all(fs.exists(f"{folder}/state.ckpt") for folder in cut), "keep_checkpoints removed an incomplete one"
 
 
 @pytest.mark.parametrize(
