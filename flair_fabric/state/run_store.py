@@ -88,10 +88,6 @@ class RunStore:
         found = fs.glob(f"{self.url}/{CHECKPOINTS}/step-*/{MARKER}")
         return sorted(str(path).rstrip("/").split("/")[-2] for path in found)
 
-    def newest_checkpoint(self) -> str | None:
-        found = self.complete_checkpoints()
-        return found[-1] if found else None
-
     def read_marker(self, name: str) -> dict[str, Any]:
         """A complete checkpoint's marker: its files (path in the checkpoint: size) and the save's id."""
         return dict(json.loads(self.fs.cat_file(f"{self.checkpoint_url(name)}/{MARKER}")))
