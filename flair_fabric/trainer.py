@@ -118,10 +118,10 @@ class FabricTrainer(ModelTrainer):
     def train_custom(self, base_path: Any, *args: Any, **kwargs: Any) -> dict:
         kwargs = mini_batch_size_left_to_global(ModelTrainer.train_custom, args, kwargs)
         lightning, options, flair_kwargs = split_added_arguments(dict(kwargs))
-        store = run_store(base_path)
+        options.check()
+        store = run_store(base_path, options.storage_options)
         bound = FlairArguments.bind(self, store.local if store else base_path, *args, **flair_kwargs)
         flair_arguments, auto_chunks = bound.without_automatic_chunks()
-        options.check()
         if flair_arguments.multi_gpu:
             raise ValueError(
                 "multi_gpu=True is flair's own multi-GPU mode; FabricTrainer starts the processes itself:"

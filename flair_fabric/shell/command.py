@@ -138,7 +138,7 @@ def train(argv: Sequence[str]) -> dict:
 
     resolved = resolved_config(parser, config, given)
     if config.trainer.resume_from is not None or restarted_by_torchrun():
-        check_resume(config.trainer.base_path, resolved)
+        check_resume(config.trainer.base_path, resolved, config.trainer.storage_options)
     made = make_components(parser, config, given)
     plugins = list(made.trainer_arguments.pop("plugins", None) or [])
     plugins.append(ConfigRecordPlugin(resolved))

@@ -17,6 +17,8 @@ from flair_fabric.shell.signatures import own_parameters
 from flair_fabric.storage import is_url, read_text
 
 CONFIG_FILE = "config.yaml"
+SECRET_KEY = "storage_options"
+"""The key whose values (a filesystem's credentials) no written, printed or logged config holds."""
 
 MAY_CHANGE_ON_RESUME = ("trainer.max_epochs", "trainer.resume_from", "trainer.devices", "trainer.num_nodes")
 """What a resume may change: more epochs (as flair allows), the checkpoint to continue from, and how many processes
@@ -71,7 +73,8 @@ def _without_unrequested(value: Any, given: Any) -> None:
 
 def resolved_config(parser: Any, config: Any, given: Any) -> str:
     """The config as the run uses it, as YAML that runs the same run again: every key with its value, defaults
-    included, but for the arguments only a class's ``**kwargs`` would take, written where the config gives them; a
+    included, but for every ``storage_options`` (credentials: ``null``; a run from the YAML takes them from the
+    provider's environment variables or passes them again) and the arguments only a class's ``**kwargs`` would take, written where the config gives them; a
     ``mini_batch_size`` the config leaves out beside ``global_batch_size`` is ``null`` (it follows from the global
     batch), not flair's default."""
     from flair.trainers import ModelTrainer
@@ -79,6 +82,8 @@ def resolved_config(parser: Any, config: Any, given: Any) -> str:
     from flair_fabric.training.batch_sizes import mini_batch_size_left_to_global
 
     config = config.clone()
+    for key in [key for key in config.keys() if key.rsplit(".", 1)[-1] == SECRET_KEY]:
+        config[key] = None  # credentials: never written, printed or logged
     for section in ("corpus", "embeddings", "model", "loggers"):
         _without_unrequested(config.get(section), given.get(section))
     _without_unrequested(config.trainer.get("plugins"), (given.get("trainer") or Namespace()).get("plugins"))
@@ -102,12 +107,12 @@ def _shown(config: dict[str, Any], key: str) -> str:
     return repr(config[key]) if key in config else "<absent>"
 
 
-def check_resume(base_path: str | Path, resolved: str) -> None:
+def check_resume(base_path: str | Path, resolved: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuse a resume whose config differs from the one the run started with, naming the keys that changed
-    (``base_path`` a folder or a URL)."""
+    (``base_path`` a folder or a URL, reached with ``storage_options``)."""
     file = f"{str(base_path).rstrip('/')}/{CONFIG_FILE}" if is_url(base_path) else Path(base_path) / CONFIG_FILE
     try:
-        text = read_text(file)
+        text = read_text(file, storage_options)
     except FileNotFoundError:
         return
     old = flattened(yaml.safe_load(text) or {})

@@ -19,7 +19,8 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,33 +40,39 @@ def staging_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "flair_fabric" / "runs"
 
 
+class DamagedCheckpoint(RuntimeError):
+    """A complete checkpoint's file in the store is not the size its marker lists."""
+
+
 class IncompleteUpload(RuntimeError):
     """A checkpoint's parts did not all arrive in the store in time: its marker is not written."""
 
 
 @dataclass(frozen=True)
 class RunStore:
-    """The store's folder of one run (``url``) and this machine's staging folder of it (``local``)."""
+    """The store's folder of one run (``url``), this machine's staging folder of it (``local``) and the filesystem's
+    options (``storage_options``: credentials, an endpoint; held in memory only, never written or shown)."""
 
     url: str
     local: Path
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def of(cls, url: str) -> RunStore:
+    def of(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> RunStore:
         """The run in ``url``, staged in ``staging_root()/<name>-<hash of the URL>`` on every machine alike."""
         url = url.rstrip("/")
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rsplit("/", 1)[-1])[:40] or "run"
         key = hashlib.sha256(url.encode()).hexdigest()[:16]
-        return cls(url, staging_root() / f"{name}-{key}")
+        return cls(url, staging_root() / f"{name}-{key}", dict(storage_options or {}))
 
     @property
     def fs(self) -> Any:
-        return filesystem(self.url, argument="base_path")
+        return filesystem(self.url, self.storage_options, argument="base_path")
 
     def check_writable(self) -> None:
         """Before any process starts: the bucket exists, the credentials work, and an object can be written there
         (one is written and removed). Each mistake is one :class:`StorageError` line naming ``base_path``."""
-        check_reachable(self.url, argument="base_path", expect="folder")
+        check_reachable(self.url, argument="base_path", expect="folder", storage_options=self.storage_options)
         probe = f"{self.url}/.flair-fabric-write-check-{uuid.uuid4().hex}"
         try:
             self.fs.pipe_file(probe, b"")
@@ -151,10 +158,18 @@ class RunStore:
         temporary = target.parent / f".{name}.download-{os.getpid()}"
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir(parents=True, mode=0o700)
-        for relative in json.loads(marker)["files"]:
+        for relative, size in json.loads(marker)["files"].items():
             (temporary / relative).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fs.get_file(f"{url}/{relative}", str(temporary / relative))
             (temporary / relative).chmod(0o600)
+            got = (temporary / relative).stat().st_size
+            if got != size:
+                shutil.rmtree(temporary, ignore_errors=True)
+                raise DamagedCheckpoint(
+                    f"{url}/{relative} has {got} bytes, its checkpoint's marker"
+                    f" {url}/{MARKER} says {size}: the checkpoint was changed after it was written and is not read."
+                    f" Remove {url} (its marker first) to resume from an older checkpoint."
+                )
         (temporary / MARKER).write_bytes(marker)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(temporary, target)

@@ -105,6 +105,9 @@ class TrainingStrategy(ABC):
     """Whether parameters or optimizer state are split across the ranks (FSDP, DeepSpeed)."""
     gathers_in_forward = False
     """Whether forward passes run collectives (FSDP's and DeepSpeed's parameter all-gathers)."""
+    reads_checkpoints_on_every_rank = False
+    """Whether every rank reads the checkpoint a run resumes from (FSDP, DeepSpeed: ``fabric.load``); else global
+    rank 0 reads it and sends it to the others."""
 
     def check_run(self, *, reduces_vocabulary: bool, mini_batch_chunk_size: int | str | None) -> None:
         """Refuse, before any process starts, run arguments this strategy cannot train with."""

@@ -75,6 +75,7 @@ class DeepSpeed(TrainingStrategy):
 
     clips_gradients_in_engine = True
     shards_training_state = True
+    reads_checkpoints_on_every_rank = True
 
     def __init__(self, strategy: DeepSpeedStrategy) -> None:
         self.strategy = strategy

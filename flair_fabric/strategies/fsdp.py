@@ -266,6 +266,7 @@ class Sharded(TrainingStrategy):
 
     shards_training_state = True
     gathers_in_forward = True
+    reads_checkpoints_on_every_rank = True
 
     def __init__(self) -> None:
         self.copy: ShardedCopy[flair.nn.Model] | None = None

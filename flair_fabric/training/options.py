@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 DEFAULT_WINDOW = 50
 """Global batches per window, as Hugging Face's ``group_by_length`` (its megabatches of 50 batches)."""
@@ -21,6 +22,7 @@ ANNOTATIONS = {
     "checkpoint_every_n_minutes": "Optional[float]",
     "requeue_signal": "Union[signal.Signals, str, None]",
     "resume_from": "Union[str, Path, None]",
+    "storage_options": "Optional[Dict[str, Any]]",
     "val_check_interval": "Union[int, float, None]",
 }
 """The annotations (as text) of the parameters FabricTrainer adds where the field's type does not say it all;
@@ -131,6 +133,17 @@ class TrainingOptions:
             " default when torchrun restarted the job).",
         ),
     )
+    storage_options: dict[str, Any] | None = field(
+        default=None,
+        metadata=_about(
+            "a URL `base_path`'s filesystem options (fsspec's: credentials, `endpoint_url`, ...), where the"
+            " provider's environment variables or config files do not give them; never written to `config.yaml`,"
+            " the model card, a checkpoint, a tracker or a log",
+            "`None`, a dict",
+            "options of a URL base_path's filesystem (fsspec's: credentials, endpoint_url, ...) where the provider's"
+            " environment variables do not give them; never written anywhere (config.yaml, model card, trackers).",
+        ),
+    )
     balance_batches: bool = field(
         default=True,
         metadata=_about(
@@ -167,6 +180,11 @@ class TrainingOptions:
             raise ValueError(
                 f"balance_batches={self.balance_batches!r} is not valid: pass True (each step dealt by length) or"
                 " False (strided shards)."
+            )
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(
+                f"storage_options must be a dict of the filesystem's options (or None), not"
+                f" {type(self.storage_options).__name__}: e.g. storage_options={{'profile': 'training'}}."
             )
         size = self.global_batch_size
         if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):

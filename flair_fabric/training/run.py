@@ -25,12 +25,12 @@ from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlug
 from flair_fabric.state.adapters import has_adapters, weights_from_merged
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
-from flair_fabric.state.training_state import resume_folder_of_global_zero
 from flair_fabric.state.uploads import Uploads, all_uploaded
 from flair_fabric.strategies import keeps_whole_model, no_pass_synchronises, training_strategy
 from flair_fabric.strategies.base import SetUp
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Checkpointing, Preempted
+from flair_fabric.training.continuing import checkpoint_to_read_here
 from flair_fabric.training.evaluating import (
     evaluate_epoch,
     evaluate_inside_epoch,
@@ -114,7 +114,7 @@ class TrainingRun:
                 self.plugins,
                 dealt_by_length=self.lengths is not None,
             )
-            resume_folder = resume_folder_of_global_zero(self.fabric, self.arguments.resume_folder)
+            resume_folder = checkpoint_to_read_here(self.fabric, self.arguments, self.strategy)
             if resume_folder is not None:
                 self.progress.resume = self.checkpointing.resume(resume_folder)
             preemption = self.arguments.checkpoints.requeue_signal

@@ -4,7 +4,8 @@
 step to ``<out>/steps.jsonl`` (rank, world size, step) and sleeps ``step_seconds`` after it, so that a test can take
 nodes away and bring them back while it trains; rank 0 of the attempt that finishes writes ``<out>/final.pt``.
 ``fine_tune`` with SGD and flair's linear schedule (counted in steps, so a restart that loses the step count shows).
-Config: ``{"out": folder, "base_path": URL, "kwargs": fine_tune arguments, "step_seconds": float}``."""
+Config: ``{"out": folder, "base_path": URL, "kwargs": fine_tune arguments, "step_seconds": float}``, optionally
+``"optimizer"`` (a name in ``torch.optim``; SGD) and ``"train_size"`` (48)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ class Steps(TrainerPlugin):
 def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
     out = Path(config["out"])
-    corpus = small_trec(train_size=48)
+    corpus = small_trec(train_size=config.get("train_size", 48))
     model = tiny_text_classifier(corpus)
     trainer = FabricTrainer(model, corpus)
     plugins = [Steps(out / "steps.jsonl", config["step_seconds"])]
     # SGD: AdamW divides the rounding noise of near-zero gradients by their running size (docs/sharded-training.md)
-    kwargs = {"optimizer": torch.optim.SGD, **config["kwargs"]}
+    kwargs = {"optimizer": getattr(torch.optim, config.get("optimizer", "SGD")), **config["kwargs"]}
     trainer.fine_tune(config["base_path"], plugins=plugins, resume_from="auto", **kwargs)
     if trainer.is_global_zero:
         torch.save(model.state_dict(), out / "final.pt")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,18 +15,30 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 from flair.models import TextClassifier
 from torch.multiprocessing.spawn import ProcessExitedException
 
 from flair_fabric import FabricTrainer, FlairFSDPStrategy
-from flair_fabric.state.run_store import MARKER, RunStore
+from flair_fabric.state.run_store import MARKER, DamagedCheckpoint, RunStore
 from flair_fabric.state.store_resume import checkpoint_in_store_to_resume
 from flair_fabric.state.uploads import Uploads
 from flair_fabric.storage import StorageError
 
 from ..plugin_support import KillAtStep
-from ..storage_server import BUCKET, SECRET, S3Server
-from ..support import no_training_may_start, small_trec, state_dict_difference, tiny_text_classifier
+from ..storage_server import BUCKET, KEY_ID, SECRET, S3Server
+from ..support import (
+    REPO,
+    SCRIPTS,
+    free_port,
+    kill_with_descendants,
+    no_training_may_start,
+    script_env,
+    small_trec,
+    state_dict_difference,
+    tiny_text_classifier,
+)
+from .test_elastic_torchrun import TORCHRUN
 
 SETTINGS: dict[str, Any] = {
     "learning_rate": 0.05,
@@ -56,11 +69,12 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, strategy: str
 ) -> None:
     """2 forked ranks (DDP, or FSDP with its sharded checkpoints: a part per rank) train into s3://bucket/killed-...
-    with a checkpoint every 2 steps and are SIGKILLed at step 11 (of
-    24, in epoch 2 of 3). One process on a machine folder that never saw that run resumes with resume_from="auto" from
-    the bucket alone: its weights are those of an uninterrupted run (within 1e-5), the bucket's loss.tsv has its train
-    losses, final-model.pt in the bucket loads in flair and holds the trained weights; no credential is in any object,
-    staged file or log line."""
+    with a checkpoint every 2 steps and are SIGKILLed at step 11 (of 24, in epoch 2 of 3). The run resumes with
+    resume_from="auto" from the bucket alone, on machine folders that never saw it: DDP's on one process; FSDP's on
+    two torchrun machines (each downloads the sharded checkpoint every rank reads), which reach the bucket through
+    storage_options only. The weights are those of an uninterrupted run (within 1e-5), the bucket's loss.tsv has its
+    train losses, final-model.pt in the bucket loads in flair and holds the trained weights; no credential is in any
+    object, staged file or log line."""
     corpus = small_trec(train_size=45)
     whole = tiny_text_classifier(corpus)
     FabricTrainer(whole, corpus).fine_tune(tmp_path / "whole", devices=1, **SETTINGS)
@@ -84,9 +98,19 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     second_machine = _staged_in(monkeypatch, tmp_path / "second-machine")
     assert not second_machine.exists()
     resumed = tiny_text_classifier(corpus)
-    with caplog.at_level("INFO", logger="flair"):
-        FabricTrainer(resumed, corpus).fine_tune(url, devices=1, resume_from="auto", **SETTINGS)
-    assert f"resuming from {url}/checkpoints/{complete[-1]}" in caplog.text
+    if strategy == "fsdp":  # every rank reads a sharded checkpoint: each of two machines needs its own copy
+        logs = _resume_with_fsdp_on_two_machines(url, tmp_path, s3)
+        resumed.load_state_dict(torch.load(tmp_path / "two-machines" / "final.pt"))
+        on_second = RunStore.of(url).local.parent.parent / "machine-1" / RunStore.of(url).local.name
+        listed = store.read_marker(complete[-1])["files"]
+        copies = {name: on_second / "checkpoints" / complete[-1] / name for name in listed}
+        copied = {name: path.stat().st_size if path.is_file() else None for name, path in copies.items()}
+        assert copied == listed, "machine 1 reads its own copy of the checkpoint"
+    else:
+        with caplog.at_level("INFO", logger="flair"):
+            FabricTrainer(resumed, corpus).fine_tune(url, devices=1, resume_from="auto", **SETTINGS)
+        logs = caplog.text
+    assert f"resuming from {url}/checkpoints/{complete[-1]}" in logs
     assert state_dict_difference(resumed.state_dict(), whole.state_dict()) <= 1e-5
 
     objects = _objects(f"killed-{strategy}")
@@ -97,7 +121,9 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
     expected = [line.split("\t") for line in (tmp_path / "whole" / "loss.tsv").read_text().splitlines()]
     column = rows[0].index("TRAIN_LOSS")
     assert [float(row[column]) for row in rows[1:]] == pytest.approx([float(row[column]) for row in expected[1:]])
-    staging = RunStore.of(url).local  # the second machine's staging folder: its final test is in the bucket too
+    staging = RunStore.of(url).local  # global rank 0's staging folder: its final test is in the bucket too
+    if strategy == "fsdp":
+        staging = staging.parent.parent / "machine-0" / staging.name
     assert f"{BUCKET}/killed-{strategy}/test.tsv" in objects, sorted(objects)
     assert objects[f"{BUCKET}/killed-{strategy}/test.tsv"] == (staging / "test.tsv").read_bytes()
     final = tmp_path / "final-model.pt"
@@ -106,9 +132,49 @@ def test_a_run_killed_mid_epoch_resumes_from_the_bucket_on_a_fresh_machine_to_th
 
     secret = SECRET.encode()
     assert not [path for path, data in objects.items() if secret in data], "a credential in the bucket"
-    staged = [path for path in tmp_path.rglob("*") if path.is_file() and secret in path.read_bytes()]
-    assert not staged, "a credential in a staged file"
-    assert SECRET not in caplog.text
+    given = tmp_path / "two-machines" / "config.json"  # the credentials the test gave the two machines
+    staged = [path for path in tmp_path.rglob("*") if path != given and path.is_file() and secret in path.read_bytes()]
+    assert not staged, "a credential in a staged file or a log"
+    assert SECRET not in logs
+
+
+def _resume_with_fsdp_on_two_machines(url: str, tmp_path: Path, s3: S3Server) -> str:
+    """Resume the run in ``url`` ("auto") with FSDP on two "machines": a torchrun agent each (one process each, node
+    ranks 0 and 1), each with its own staging folder and no credentials or endpoint in its environment: the bucket
+    is reached through ``storage_options`` alone. Returns their output."""
+    out = tmp_path / "two-machines"
+    out.mkdir()
+    options = {"key": KEY_ID, "secret": SECRET, "endpoint_url": s3.endpoint}
+    kwargs = {**SETTINGS, "strategy": "fsdp", "devices": 1, "num_nodes": 2, "storage_options": options}
+    config = {"out": str(out), "base_path": url, "kwargs": kwargs, "step_seconds": 0, "optimizer": "AdamW"}
+    (out / "config.json").write_text(json.dumps({**config, "train_size": 45}))
+
+    port, machines = free_port(), []
+    for node in (0, 1):
+        env = script_env(FLAIR_FABRIC_STAGING=str(tmp_path / f"machine-{node}"))
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+            env.pop(name)
+        rendezvous = ["--nnodes=2", f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        command = [TORCHRUN, *rendezvous, "--nproc_per_node=1", str(SCRIPTS / "elastic_training.py")]
+        machines.append(
+            subprocess.Popen(
+                [*command, str(out / "config.json")],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+    finally:
+        for machine in machines:
+            kill_with_descendants(machine.pid)
+    output = "\n".join(outputs)
+    assert [machine.returncode for machine in machines] == [0, 0], output[-6000:]
+    return output
 
 
 def _checkpoint_folder(folder: Path, size: int) -> Path:
@@ -185,6 +251,27 @@ def test_the_marker_waits_for_every_machines_part(
     assert sorted(listed) == ["__1_0.distcp", "extras.pt", "progress.json", "state.ckpt"]
 
 
+def test_a_checkpoint_changed_after_its_marker_is_refused_and_nothing_of_it_is_kept(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A complete checkpoint whose state.ckpt was cut short in the bucket after its marker was written (another
+    program, a bad copy): the download refuses it by the marker's sizes, naming the object, and leaves nothing
+    staged for a resume to read."""
+    _staged_in(monkeypatch, tmp_path / "staging")
+    store = RunStore.of(f"s3://{BUCKET}/changed")
+    uploads = Uploads(store, node_rank=0, num_nodes=1, is_global_zero=True, keep=2, timeout=60)
+    uploads.checkpoint(_checkpoint_folder(tmp_path / "written" / "step-000000002", 5000), "step-000000002")
+    uploads.finish()
+    url = store.checkpoint_url("step-000000002")
+    fsspec.filesystem("s3").pipe_file(f"{url}/state.ckpt", b"cut short")
+    _staged_in(monkeypatch, tmp_path / "fresh")
+    store = RunStore.of(store.url)
+    with pytest.raises(DamagedCheckpoint, match=rf"{url}/state.ckpt has 9 bytes, .* says 5000"):
+        store.download_checkpoint("step-000000002")
+    staged = [path for path in (tmp_path / "fresh").rglob("*") if path.is_file()]
+    assert not staged, staged
+
+
 def test_auto_skips_a_checkpoint_without_its_marker_and_keep_removes_only_complete_ones(
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,6 +326,24 @@ def test_a_base_path_url_that_cannot_be_used_is_refused_before_anything_starts(
     with pytest.raises(StorageError, match=message):
         FabricTrainer(tiny_text_classifier(corpus), corpus).fine_tune(base_path, devices=1, **SETTINGS)
     assert not (tmp_path / "staging").exists(), "nothing was staged"
+
+
+def test_storage_options_that_cannot_be_used_are_refused_before_anything_starts(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """storage_options beside a local base_path, or of the wrong kind: each refused before a process starts, naming
+    the argument and the fix."""
+    _staged_in(monkeypatch, tmp_path / "staging")
+    no_training_may_start(monkeypatch)
+    corpus = small_trec(train_size=12)
+    trainer = FabricTrainer(tiny_text_classifier(corpus), corpus)
+    with pytest.raises(
+        ValueError, match=r"storage_options are for a base_path in a store .* leave storage_options out"
+    ):
+        trainer.fine_tune(tmp_path / "local", devices=1, storage_options={"anon": True}, **SETTINGS)
+    with pytest.raises(ValueError, match=r"storage_options must be a dict .* not str"):
+        trainer.fine_tune(f"s3://{BUCKET}/run", devices=1, storage_options="anon=true", **SETTINGS)
+    assert not (tmp_path / "staging").exists() and not (tmp_path / "local").exists(), "nothing was staged"
 
 
 def test_no_credentials_are_refused_before_anything_starts(

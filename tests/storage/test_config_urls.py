@@ -3,6 +3,7 @@ its mistakes name ``s3://bucket/run.yaml:LINE`` (the line counted in the text wr
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import fsspec
@@ -14,7 +15,7 @@ from flair_fabric.shell.command import checked_config
 from flair_fabric.shell.errors import ConfigError
 
 from ..shell.test_config_checks import CONFIG
-from ..storage_server import BUCKET, SECRET, S3Server
+from ..storage_server import BUCKET, KEY_ID, SECRET, S3Server
 
 
 def _put(name: str, text: str) -> str:
@@ -79,25 +80,40 @@ def test_a_yaml_mistake_or_a_missing_config_in_the_bucket_is_one_line_naming_the
 def test_a_config_run_into_the_bucket_keeps_its_config_there_and_a_changed_resume_is_refused(
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """trainer.base_path an s3:// URL: the run's config.yaml, loss.tsv and final-model.pt land in the bucket (no
-    credential in config.yaml); a resume with a changed learning rate, on a machine folder that never saw the run, is
-    refused by the config.yaml read from the bucket; one with more epochs continues from the bucket's checkpoint."""
+    """trainer.base_path an s3:// URL reached through trainer.storage_options alone (no credentials or endpoint in
+    the environment): the run's config.yaml, loss.tsv and final-model.pt land in the bucket, and no object, staged
+    file or tracker's file holds the credential (config.yaml has storage_options: null); a resume with a changed
+    learning rate, on a machine folder that never saw the run, is refused by the config.yaml read from the bucket;
+    one with more epochs continues from the bucket's checkpoint."""
+    import s3fs
+
     from flair_fabric.shell.command import train
 
     from ..shell.test_config_runs import _small
     from ..support import make_tiny_bert
 
     monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(tmp_path / "first"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name)
+    s3fs.S3FileSystem.clear_instance_cache()
+    options = {"key": KEY_ID, "secret": SECRET, "endpoint_url": s3.endpoint}
     bert = make_tiny_bert(tmp_path / "bert", TREC(train_size=24, dev_size=8, test_size=8))
     url = f"s3://{BUCKET}/config-run"
     once = ["--trainer.max_epochs=1", "--trainer.checkpoint_every_n_epochs=1", "--trainer.global_batch_size=8"]
+    once.append(f"--trainer.storage_options={json.dumps(options)}")
+    once.append(f"--loggers=[{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {tmp_path}}}}}]")
     train([*_small("trec.yaml", bert, tmp_path / "unused", *once), f"--trainer.base_path={url}"])
-    fs = fsspec.filesystem("s3")
+    fs = fsspec.filesystem("s3", **options)
     fs.invalidate_cache()
     names = {path.rsplit("/", 1)[-1] for path in fs.find(f"{BUCKET}/config-run", maxdepth=1)}
     assert {"config.yaml", "loss.tsv", "final-model.pt"} <= names, names
     written = fs.cat_file(f"{url}/config.yaml").decode()
     assert yaml.safe_load(written)["trainer"]["base_path"] == url and SECRET not in written
+    assert yaml.safe_load(written)["trainer"]["storage_options"] is None
+    holding = [path for path in fs.find(f"{BUCKET}/config-run") if SECRET.encode() in fs.cat_file(path)]
+    holding += [str(path) for path in tmp_path.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
+    assert not holding, "a credential written"
+    assert list(tmp_path.rglob("hparams.yaml")), "the tracker got the run's parameters"
     monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(tmp_path / "second"))
     changed = [*once, "--trainer.resume_from=auto", "--trainer.learning_rate=0.5", f"--trainer.base_path={url}"]
     with pytest.raises(ConfigError, match=r"trainer.learning_rate \(0.0001 -> 0.5\)"):
