@@ -9,7 +9,6 @@ flair's signatures, the rank properties plugins read, and flair's override point
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,6 @@ from flair_fabric.training.progress_bar import show_progress_bar
 from flair_fabric.training.run import TrainingRun
 from flair_fabric.training.sampling import steps_per_epoch
 from flair_fabric.training.setup import sample_on_global_zero
-
-log = logging.getLogger("flair")
 
 
 class FabricTrainer(ModelTrainer):
@@ -156,6 +153,7 @@ class FabricTrainer(ModelTrainer):
             val_check_interval=options.val_check_interval,
             chunks_on_out_of_memory=auto_chunks,
             store=store,
+            save_adapters=options.save_adapters,
         )
         self._check_run(arguments)
         return run_job(TrainingJob(self, arguments), launch)

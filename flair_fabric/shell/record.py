@@ -74,15 +74,16 @@ def _without_unrequested(value: Any, given: Any) -> None:
 def resolved_config(parser: Any, config: Any, given: Any) -> str:
     """The config as the run uses it, as YAML that runs the same run again: every key with its value, defaults
     included, but for every ``storage_options`` (credentials: ``null``; a run from the YAML takes them from the
-    provider's environment variables or passes them again) and the arguments only a class's ``**kwargs`` would take, written where the config gives them; a
-    ``mini_batch_size`` the config leaves out beside ``global_batch_size`` is ``null`` (it follows from the global
-    batch), not flair's default."""
+    provider's environment variables or is given them again) and the arguments only a class's ``**kwargs`` would
+    take, written where the config gives them; a ``mini_batch_size`` the config leaves out beside
+    ``global_batch_size`` is ``null`` (it follows from the global batch), not flair's default."""
     from flair.trainers import ModelTrainer
 
     from flair_fabric.training.batch_sizes import mini_batch_size_left_to_global
 
     config = config.clone()
-    for key in [key for key in config.keys() if key.rsplit(".", 1)[-1] == SECRET_KEY]:
+    keys = config.keys()  # a Namespace's dotted keys (it has no iterator)
+    for key in [key for key in keys if key.rsplit(".", 1)[-1] == SECRET_KEY]:
         config[key] = None  # credentials: never written, printed or logged
     for section in ("corpus", "embeddings", "model", "loggers"):
         _without_unrequested(config.get(section), given.get(section))

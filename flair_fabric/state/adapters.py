@@ -30,6 +30,9 @@ ADAPTER = "default"
 """The adapter flair's ``get_peft_model`` creates (peft's default name)."""
 PEFT_PREFIX = "base_model.model."
 """Where peft puts the wrapped transformer in the adapted model's state keys."""
+MERGED_BASE = "_flair_fabric_base_holds_merged_weights"
+"""Set on adapted embeddings whose base layers were given merged weights (:func:`weights_from_merged`): from then on
+their adapters alone no longer give the model (``save_adapters``, :mod:`flair_fabric.state.adapter_files`)."""
 
 
 def _peft_model_class() -> type | None:
@@ -50,6 +53,19 @@ def adapted_embeddings(model: torch.nn.Module) -> Iterator[tuple[str, Transforme
 def has_adapters(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds transformer embeddings with peft adapters."""
     return next(adapted_embeddings(model), None) is not None
+
+
+def merged_bases(model: torch.nn.Module) -> list[str]:
+    """The names of the adapted embeddings of ``model`` whose base holds merged weights (:data:`MERGED_BASE`)."""
+    return [name for name, embeddings in adapted_embeddings(model) if getattr(embeddings, MERGED_BASE, False)]
+
+
+def mark_merged_bases(model: torch.nn.Module, names: list[str]) -> None:
+    """Mark the adapted embeddings ``names`` of ``model`` (:data:`MERGED_BASE`): a model given the weights of one
+    whose base held merged weights (the caller's, after workers) holds them too."""
+    for name, embeddings in adapted_embeddings(model):
+        if name in names:
+            setattr(embeddings, MERGED_BASE, True)
 
 
 def _lora_layers(embeddings: TransformerEmbeddings) -> Iterator[tuple[str, Any]]:
@@ -149,9 +165,11 @@ def weights_from_merged(
 ) -> dict[str, torch.Tensor]:
     """Weights for the adapted ``model`` that compute what the merged weights ``merged`` (a model file written with
     :func:`merged_weights`) compute: each base layer holds the merged weight, each LoRA ``B`` is zero and each LoRA
-    ``A`` keeps its ``current`` value (the model's whole weights), so training can go on from there."""
+    ``A`` keeps its ``current`` value (the model's whole weights), so training can go on from there. Each adapted
+    embeddings of ``model`` is marked (:data:`MERGED_BASE`): its base no longer holds the pretrained weights."""
     state = dict(merged)
     for name, embeddings in adapted_embeddings(model):
+        setattr(embeddings, MERGED_BASE, True)
         inner = f"{name}.model." if name else "model."
         for stored in [k for k in state if k.startswith(inner)]:
             state[f"{inner}{PEFT_PREFIX}{stored.removeprefix(inner)}"] = state.pop(stored)

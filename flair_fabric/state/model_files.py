@@ -11,14 +11,24 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import flair
 import torch
 from lightning.fabric import Fabric
 
 from flair_fabric.distributed.stalls import wait_for_global_zero
+from flair_fabric.state.adapter_files import write_adapter_folders
 from flair_fabric.state.adapters import has_adapters
 from flair_fabric.state.model_state import model_file_state, save_flair_state
+
+
+class ModelFileOptions(Protocol):
+    """What a run's options say about its model files (:class:`~flair_fabric.training.arguments.TrainArguments`)."""
+
+    @property
+    def save_adapters(self) -> bool:
+        """Beside each model file, also its unmerged adapters (:mod:`flair_fabric.state.adapter_files`)."""
 
 
 def write_atomically(path: str | Path, write: Callable[[str], None]) -> None:
@@ -81,9 +91,13 @@ def save_on_global_zero(
     path: str | Path,
     checkpoint: bool,
     weights: dict[str, torch.Tensor] | None = None,
+    options: ModelFileOptions | None = None,
 ) -> None:
     """Write the flair model file once, from global rank 0; ``weights``: the whole weights of a sharded model,
-    gathered to rank 0 before (the strategy's ``whole_weights``). Every rank calls it; the others wait."""
+    gathered to rank 0 before (the strategy's ``whole_weights``); ``options``: the run's (with ``save_adapters``,
+    the unmerged adapters' folder beside the file too). Every rank calls it; the others wait."""
+    if fabric.is_global_zero and options is not None and options.save_adapters:
+        write_adapter_folders(model, path, weights)
     if fabric.is_global_zero:
         save_model_atomically(model, path, checkpoint=checkpoint, weights=weights)
     wait_for_global_zero(fabric)  # a slow disk must not trip the short timeout of the next training collective

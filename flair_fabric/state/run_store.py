@@ -6,7 +6,8 @@ there. Each node that holds files of it uploads them first and then its part mar
 files and their sizes); global rank 0 writes ``COMPLETE`` (every file of every part) last, once every node's part
 marker is there. ``resume_from="auto"`` takes the newest checkpoint with its marker; one without is never read, and
 ``keep_checkpoints`` removes only complete ones (marker first). The run's own files (``loss.tsv``, ``best-model.pt``,
-``final-model.pt``, ``config.yaml``, ...) are uploaded whole by global rank 0.
+``final-model.pt``, ``config.yaml``, ...; also the files of ``best-model.adapter/`` and the like) are uploaded whole
+by global rank 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ CHECKPOINTS = "checkpoints"
 APPENDED_FILES = (".tsv", ".txt", ".log")
 """The run's own files a run appends to (``loss.tsv``, ``weights.txt``, ...): the staging folder starts with the
 store's copies of them (a resumed run's, with all the run's files)."""
+RUN_FOLDERS = (".adapter",)
+"""The run's own folders, uploaded with its files, file by file: a model file's unmerged adapters (``save_adapters``,
+``best-model.adapter/``)."""
 
 
 def staging_root() -> Path:
@@ -198,32 +202,46 @@ class RunStore:
                 fs.get_file(f"{self.url}/{name}", str(partial))
                 os.replace(partial, self.local / name)
 
-    def snapshot_run_files(self, uploaded: dict[str, tuple[int, int]]) -> Path | None:
-        """Global rank 0, in the training thread: the run's own files (not the checkpoints) that changed since
-        ``uploaded`` (name: size, modification time; updated) frozen in a new snapshot folder, to be uploaded
-        while training goes on: appended files copied, the others (written by a rename) linked. ``None``: none
-        changed."""
-        changed = []
+    def _run_files(self) -> list[tuple[str, Path]]:
+        """The run's own files in the staging folder, by their path in it: its files, and those in its folders
+        (:data:`RUN_FOLDERS`); hidden ones (being written) and the checkpoints left out."""
+        found = []
         for path in sorted(self.local.iterdir()) if self.local.is_dir() else []:
-            if path.is_file() and not path.name.startswith("."):
-                stat = path.stat()
-                if uploaded.get(path.name) != (stat.st_size, stat.st_mtime_ns):
-                    changed.append(path)
-                    uploaded[path.name] = (stat.st_size, stat.st_mtime_ns)
+            if path.name.startswith("."):
+                continue
+            if path.is_file():
+                found.append((path.name, path))
+            elif path.is_dir() and path.suffix in RUN_FOLDERS:
+                inside = sorted(each for each in path.rglob("*") if each.is_file())
+                found.extend((each.relative_to(self.local).as_posix(), each) for each in inside)
+        return found
+
+    def snapshot_run_files(self, uploaded: dict[str, tuple[int, int]]) -> Path | None:
+        """Global rank 0, in the training thread: the run's own files (not the checkpoints; those in its folders
+        too) that changed since ``uploaded`` (path in the staging folder: size, modification time; updated) frozen in
+        a new snapshot folder, to be uploaded while training goes on: appended files copied, the others (written by
+        a rename) linked. ``None``: none changed."""
+        changed = []
+        for name, path in self._run_files():
+            stat = path.stat()
+            if uploaded.get(name) != (stat.st_size, stat.st_mtime_ns):
+                changed.append((name, path))
+                uploaded[name] = (stat.st_size, stat.st_mtime_ns)
         if not changed:
             return None
         snapshot = self.local / f".snapshot-{uuid.uuid4().hex}"
         snapshot.mkdir(mode=0o700)
-        for path in changed:
+        for name, path in changed:
+            (snapshot / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             if path.suffix in APPENDED_FILES:
-                shutil.copy2(path, snapshot / path.name)
+                shutil.copy2(path, snapshot / name)
             else:
-                os.link(path, snapshot / path.name)
+                os.link(path, snapshot / name)
         return snapshot
 
     def upload_snapshot(self, snapshot: Path) -> None:
         """Upload a snapshot of the run's own files, each whole, and remove it."""
         fs = self.fs
-        for path in sorted(snapshot.iterdir()):
-            fs.put_file(str(path), f"{self.url}/{path.name}")
+        for path in sorted(each for each in snapshot.rglob("*") if each.is_file()):
+            fs.put_file(str(path), f"{self.url}/{path.relative_to(snapshot).as_posix()}")
         shutil.rmtree(snapshot, ignore_errors=True)

@@ -180,6 +180,8 @@ class TrainArguments:
     ``mini_batch_chunk_size`` is then ``None``: whole mini-batches until a step needs less)."""
     store: RunStore | None = None
     """``base_path`` was a URL: the run's store (``flair.base_path`` is this machine's staging folder of it)."""
+    save_adapters: bool = False
+    """Beside each model file global rank 0 writes, also its unmerged adapters in peft's own folder."""
 
     @property
     def collective_timeout(self) -> timedelta:
@@ -214,6 +216,7 @@ class TrainArguments:
             "group_by_length_window": self.group_by_length_window,
             "balance_batches": self.balance_batches,
             "val_check_interval": self.val_check_interval,
+            "save_adapters": self.save_adapters,
         }
         if self.chunks_on_out_of_memory:
             parameters["mini_batch_chunk_size"] = "auto"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -17,7 +17,8 @@ from lightning.fabric import Fabric
 
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.runner import Job
-from flair_fabric.state.adapters import check_adapters
+from flair_fabric.state.adapter_files import check_save_adapters
+from flair_fabric.state.adapters import check_adapters, mark_merged_bases, merged_bases
 from flair_fabric.state.safe_loading import as_plain_data
 from flair_fabric.training.arguments import TrainArguments
 from flair_fabric.training.checkpointing import Preempted
@@ -42,10 +43,13 @@ class TrainedInWorker:
     weights: dict[str, torch.Tensor]
     training: bool
     model_card: dict | None
+    merged_bases: list[str] = field(default_factory=list)
+    """The adapted embeddings whose base holds a model file's merged weights (``save_adapters`` writes no folder)."""
 
     def hand_to(self, model: flair.nn.Model) -> dict:
         """Give ``model`` the trained state; returns the run's return values."""
         model.load_state_dict(self.weights)
+        mark_merged_bases(model, self.merged_bases)
         model.model_card = self.model_card
         model.train(self.training)  # flair's trainer leaves it in eval mode
         return self.result
@@ -72,6 +76,7 @@ class TrainingJob(Job):
     def __init__(self, trainer: RunsOnRanks, arguments: TrainArguments) -> None:
         super().__init__()
         check_adapters(trainer.model)  # before launch: adapters whose model files cannot be written (docs/peft.md)
+        check_save_adapters(trainer.model, arguments.save_adapters)
         self.trainer, self.arguments = trainer, arguments
         self.preemption_signal = arguments.checkpoints.requeue_signal
         self.started = time.time()
@@ -101,10 +106,16 @@ class TrainingInWorkers(Job):
 
     def run_on_rank(self, fabric: Fabric) -> TrainedInWorker:
         trainer = self.trainer_class(self.model, self.corpus)
-        result = train_on_rank(trainer, fabric, self.arguments, self.position)
-        model = trainer.model
-        weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-        return TrainedInWorker(as_plain_data(result), weights, model.training, as_plain_data(model.model_card))
+        trained = trained_state(trainer, train_on_rank(trainer, fabric, self.arguments, self.position))
+        trained.merged_bases = merged_bases(trainer.model)  # its adapters no longer give it (save_adapters)
+        return trained
+
+
+def trained_state(trainer: RunsOnRanks, result: dict) -> TrainedInWorker:
+    """What the caller's model takes over from ``trainer``'s trained model, with the run's ``result`` (plain data)."""
+    model = trainer.model
+    weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    return TrainedInWorker(as_plain_data(result), weights, model.training, as_plain_data(model.model_card))
 
 
 def take_final_model_written_since(model: flair.nn.Model, base_path: Path, started: float) -> None:

@@ -144,6 +144,18 @@ class TrainingOptions:
             " environment variables do not give them; never written anywhere (config.yaml, model card, trackers).",
         ),
     )
+    save_adapters: bool = field(
+        default=False,
+        metadata=_about(
+            "a model with LoRA adapters (`peft_config`): beside each model file (`best-model.pt`, ...) also its"
+            " unmerged adapters, peft's own folder (`best-model.adapter/`, `PeftModel.from_pretrained` loads it);"
+            " the model files keep the adapters merged",
+            "`True`, `False`",
+            "a model with LoRA adapters (peft_config): also write each model file's unmerged adapters beside it, as"
+            " peft's own folder (best-model.adapter/ for best-model.pt; PeftModel.from_pretrained loads it); the"
+            " model files still hold the adapters merged.",
+        ),
+    )
     balance_batches: bool = field(
         default=True,
         metadata=_about(
@@ -185,6 +197,11 @@ class TrainingOptions:
             raise ValueError(
                 f"storage_options must be a dict of the filesystem's options (or None), not"
                 f" {type(self.storage_options).__name__}: e.g. storage_options={{'profile': 'training'}}."
+            )
+        if not isinstance(self.save_adapters, bool):
+            raise ValueError(
+                f"save_adapters={self.save_adapters!r} is not valid: pass True (each model file's unmerged adapters"
+                " also in a folder beside it) or False (the model files only)."
             )
         size = self.global_batch_size
         if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):

@@ -22,6 +22,7 @@ from flair_fabric.distributed.lockstep import Agreed, Lockstep
 from flair_fabric.distributed.stalls import Position
 from flair_fabric.launch.failures import graceful_interrupts
 from flair_fabric.plugins.flair_fixes import EveryRankReduceTransformerVocabPlugin
+from flair_fabric.state.adapter_files import delete_previous_best_models
 from flair_fabric.state.adapters import has_adapters, weights_from_merged
 from flair_fabric.state.model_files import load_from_global_zero, save_on_global_zero
 from flair_fabric.state.run_state import EpochEnd, RunState
@@ -174,7 +175,7 @@ class TrainingRun:
         if self.progress.epoch >= a.max_epochs:
             log.warning(f"Starting at epoch {self.progress.epoch + 1}/{a.max_epochs}. No training will be done.")
         if self.progress.epoch == 0 and fabric.is_global_zero:
-            trainer.check_for_and_delete_previous_best_models(self.base_path)
+            delete_previous_best_models(self.base_path, trainer.check_for_and_delete_previous_best_models)
         return {"dataset_size": self.data.size, **training_parameters}
 
     def _before_wrapping(self, optimizer: torch.optim.Optimizer) -> None:
@@ -328,7 +329,7 @@ class TrainingRun:
         """Write the model being trained once, from global rank 0 (a sharded model is gathered first); every rank."""
         self.position.at(f"saving {Path(model_file).name}")
         weights = self.strategy.whole_weights(self.trainer.model)
-        save_on_global_zero(self.fabric, self.trainer.model, model_file, checkpoint, weights)
+        save_on_global_zero(self.fabric, self.trainer.model, model_file, checkpoint, weights, self.arguments)
         if self.uploads is not None:
             self.uploads.run_files()
 

@@ -26,6 +26,7 @@ from flair_fabric.launch.config import make_launch_config
 from ..support import make_tiny_bert, run_on_ranks, state_dict_difference
 
 LINKED = 20_000
+SPAWNED = 3_000
 CONTEXT = 4  # tokens of context on each side, as use_context=4 reads them
 
 
@@ -136,13 +137,23 @@ def _fsdp_spawn() -> FlairFSDPStrategy:
     return FlairFSDPStrategy(start_method="spawn")
 
 
+@pytest.fixture(scope="module")
+def spawned_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[ColumnCorpus, list[list[Any]]]:
+    """A linked corpus too long for plain pickling, small enough for workers to compare it quickly."""
+    corpus = linked_column_corpus(tmp_path_factory.mktemp("spawned"), SPAWNED)
+    return corpus, linked_view(corpus)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", ["ddp_spawn", _fsdp_spawn], ids=["ddp_spawn", "fsdp-spawn"])
-def test_spawned_workers_receive_a_linked_corpus_of_20000_sentences_whole(
-    linked_corpus: tuple[ColumnCorpus, list[list[Any]]], tmp_path: Path, strategy: Any
+def test_spawned_workers_receive_a_linked_corpus_of_3000_sentences_whole(
+    spawned_corpus: tuple[ColumnCorpus, list[list[Any]]], tmp_path: Path, strategy: Any
 ) -> None:
-    """Both spawn starts (DDP's and FSDP's) hand the corpus to their workers through the transport."""
-    corpus, view = linked_corpus
+    """Both spawn starts (DDP's and FSDP's) hand the corpus, which plain pickling cannot send, to their workers
+    through the transport."""
+    corpus, view = spawned_corpus
+    with pytest.raises(RecursionError):
+        pickle.dumps(corpus.train)
     strategy = strategy if isinstance(strategy, str) else strategy()
     config = make_launch_config(accelerator="cpu", devices=2, num_nodes=1, strategy=strategy, precision=None)
     run_on_ranks(config, _write_linked_view, (corpus, tmp_path))

@@ -45,6 +45,7 @@ FABRIC_ONLY_SETUP_KEYS = {
     "requeue_signal",
     "balance_batches",
     "val_check_interval",
+    "save_adapters",
 }
 
 
