@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,demo]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
-# Two pytest-xdist workers: the tests' own processes leave a 2-core machine half idle on one (docs/testing.md).
-PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist worksteal
+# Three pytest-xdist workers: the tests' own processes (imports, waits for engines and timeouts) leave a 2-core
+# machine idle a third of the time on two (docs/testing.md).
+PYTEST := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/pytest -q -n 3 --dist worksteal
 
 test: $(STAMP)
 	$(PYTEST)

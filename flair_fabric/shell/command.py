@@ -38,12 +38,21 @@ def _parse(parser: Any, argv: Sequence[str], method: str, texts: Sequence[str] |
 
 def check_data_folders(corpus: Any, argv: Sequence[str]) -> None:
     """Refuse a corpus's data folder argument (``data_folder``, ``data_dir``, ``data_path``, ...) that does not
-    exist."""
+    exist: a local folder, or a URL (reached with the corpus's ``storage_options``)."""
+    from flair_fabric.storage import StorageError, check_reachable, is_url
+
     init_args = (corpus or {}).get("init_args") or {}
     for name, value in init_args.items():
         is_data_folder = name.startswith("data") and name.endswith(FOLDER_SUFFIXES)
-        if is_data_folder and isinstance(value, str) and not Path(value).exists():
-            key = f"corpus.init_args.{name}"
+        if not (is_data_folder and isinstance(value, str)):
+            continue
+        key = f"corpus.init_args.{name}"
+        if is_url(value):
+            try:
+                check_reachable(value, argument=key, storage_options=init_args.get("storage_options"), expect="folder")
+            except StorageError as error:
+                raise ConfigError(f"{where(key, argv)}: {error}") from None
+        elif not Path(value).exists():
             raise ConfigError(
                 f"{where(key, argv)}: {key}: {value}: no such folder; give the folder that holds the data."
             )

@@ -122,3 +122,50 @@ def test_a_config_run_into_the_bucket_keeps_its_config_there_and_a_changed_resum
     train(_small("trec.yaml", bert, tmp_path / "unused", *more))
     rows = fs.cat_file(f"{url}/loss.tsv").decode().splitlines()
     assert [row.split("\t")[0] for row in rows[1:]] == ["1", "2"], "the resumed run added its second epoch"
+
+
+def test_a_config_corpus_may_read_its_data_folder_from_the_bucket(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config's mapped corpus whose data_folder is a URL passes the checks and is made from the bucket's files (as
+    from the same files on local disk); one whose bucket does not exist is refused naming the key, its line and the
+    fix."""
+    from flair_fabric.data import MappedCorpus
+    from flair_fabric.datasets import WNUT16
+
+    from ..shell.test_config_checks import _write
+
+    monkeypatch.setenv("FLAIR_FABRIC_CACHE", str(tmp_path / "cache"))
+    WNUT16(train_size=12, dev_size=4, test_size=4, split_files_to=tmp_path / "ner")
+    fs = fsspec.filesystem("s3")
+    for file in sorted((tmp_path / "ner").iterdir()):
+        fs.put_file(str(file), f"{BUCKET}/config-ner/{file.name}")
+    text = """\
+corpus:
+  class_path: flair_fabric.data.MappedCorpus.from_column_files
+  init_args:
+    data_folder: DATA
+    column_format: {0: text, 1: ner}
+    column_delimiter: "\\t"
+model:
+  class_path: flair.models.SequenceTagger
+  init_args: {tag_type: ner}
+trainer:
+  base_path: out
+"""
+    config = _write(tmp_path, text.replace("DATA", f"s3://{BUCKET}/config-ner"))
+    try:
+        parser, _, given = checked_config([str(config)])
+    except ConfigError as error:
+        pytest.fail(f"a data folder in the bucket was refused: {error}")
+    made = parser.instantiate_classes(given).corpus
+    local = MappedCorpus.from_column_files(tmp_path / "ner", {0: "text", 1: "ner"}, column_delimiter="\t")
+    assert isinstance(made, MappedCorpus)
+    assert [len(made.train), len(made.dev), len(made.test)] == [len(local.train), len(local.dev), len(local.test)]
+    assert [made.train[i].to_tagged_string() for i in range(12)] == [local.train[i].to_tagged_string() for i in range(12)]
+    missing = _write(tmp_path, text.replace("DATA", "s3://no-such-bucket/ner"), "missing.yaml")
+    with pytest.raises(ConfigError) as refused:
+        checked_config([str(missing)])
+    line = _line_of(missing.read_text(), "data_folder")
+    assert str(refused.value).startswith(f"{missing}:{line}: corpus.init_args.data_folder='s3://no-such-bucket/ner'")
+    assert "does not exist" in str(refused.value)
