@@ -37,6 +37,7 @@ RUN: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": "auto",
     "checkpoint_every_n_steps": 2,
+    "keep_checkpoints": 20,  # every checkpoint stays: a restart from an older one than the newest would show
     "collective_timeout": 20,
 }
 READ = "import sys, fsspec; sys.stdout.write(fsspec.filesystem('s3').cat_file(sys.argv[1]).decode())"
@@ -79,14 +80,17 @@ def test_a_host_lost_and_back_under_torchruns_elastic_agent_ends_at_the_uninterr
 ) -> None:
     """Host A (hosting the rendezvous on its address) and host B train 5 epochs of 6 steps into the bucket on a third
     host, a checkpoint every 2 steps. After step 6 of the 2-node world, every process on B is SIGKILLed (a lost
-    machine): A's agent restarts its worker alone (world 1), which continues from the bucket; after 3 steps of it B's
-    agent starts again and the group restarts at world 2, which continues from the bucket. The final weights equal
-    an uninterrupted one-process run's (1e-5), and the bucket's loss.tsv has each epoch once."""
+    machine): A's agent restarts its worker alone (world 1), which continues from the bucket; after 7 steps of it B's
+    agent starts again and the group restarts at world 2, which continues from the bucket. Each restart continues
+    from the newest complete checkpoint (every checkpoint is kept, and at most 5 steps are done again: the 2 since the
+    last checkpoint, the upload of the last one still running); the final weights equal an uninterrupted one-process
+    run's (1e-5), and the bucket's loss.tsv has each epoch once."""
     corpus = small_trec(train_size=48)
     whole = tiny_text_classifier(corpus)
     monkeypatch.setenv("FLAIR_FABRIC_STAGING", str(tmp_path / "reference-staging"))
     reference = {**RUN, "devices": 1}
     reference.pop("checkpoint_every_n_steps")
+    reference.pop("keep_checkpoints")
     FabricTrainer(whole, corpus).fine_tune(tmp_path / "whole", optimizer=torch.optim.SGD, **reference)
 
     url = f"s3://{BUCKET}/elastic"
@@ -105,9 +109,17 @@ def test_a_host_lost_and_back_under_torchruns_elastic_agent_ends_at_the_uninterr
         _wait_for(lambda: any(s["world"] == 2 and s["step"] >= 6 for s in _steps(a)), "2 hosts trained", agents)
         b.end_everything()  # the machine is lost: its agent, its worker, anything else it ran
         seen = len(_steps(a))
-        alone = lambda: sum(s["world"] == 1 for s in _steps(a)[seen:]) >= 3  # noqa: E731
+        alone = lambda: sum(s["world"] == 1 for s in _steps(a)[seen:]) >= 7  # noqa: E731
         _wait_for(alone, "the survivor trained alone", agents[:1])
         agents.append(_agent(b, rendezvous, endpoint, hosts_rendezvous=False))
+        _wait_for(lambda: any(s["world"] == 2 for s in _steps(a)[seen:]), "the job grew to 2 again", agents)
+        log = _steps(a)  # A trained in every attempt
+        again = [
+            log[i - 1]["step"] - log[i]["step"] + 1
+            for i in range(1, len(log))
+            if log[i]["world"] != log[i - 1]["world"]
+        ]
+        assert len(again) >= 2 and max(again) <= 5, f"steps done again at each restart: {again}"
         _wait_for(lambda: agents[0].poll() is not None, "the job ended", agents, within=240)
         agents[2].wait(timeout=60)
         logs = "\n".join(path.read_text()[-3000:] for host in (a, b) for path in sorted(host.folder.glob("agent-*")))
@@ -117,7 +129,7 @@ def test_a_host_lost_and_back_under_torchruns_elastic_agent_ends_at_the_uninterr
         expect_success(read.returncode, "reading loss.tsv from the bucket", rows)
         finals = [host.folder / "final.pt" for host in (a, b) if (host.folder / "final.pt").exists()]
 
-    worlds = [step["world"] for step in _steps(a)]  # A trained in every attempt
+    worlds = [step["world"] for step in _steps(a)]
     changes = [world for index, world in enumerate(worlds) if index == 0 or worlds[index - 1] != world]
     assert changes[-3:] == [2, 1, 2], changes
     assert len(finals) == 1, finals  # written by global rank 0 of the last attempt, on its own host
