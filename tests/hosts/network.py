@@ -38,18 +38,22 @@ class Host:
     folder: Path
     started: list[subprocess.Popen] = field(default_factory=list)
 
-    def start(self, command: list[str], env: dict[str, str], **options: Any) -> subprocess.Popen:
-        """Start ``command`` inside this host (its own process group, ended by the fixture)."""
-        process = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace, *command],
-            env=env,
-            cwd=self.folder,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            **options,
-        )
+    def start(
+        self, command: list[str], env: dict[str, str], output: Path | None = None, **options: Any
+    ) -> subprocess.Popen:
+        """Start ``command`` inside this host (its own process group, ended by the fixture); its output is piped, or
+        written to the file ``output`` (a long-running process whose pipe nobody reads would block on it)."""
+        with output.open("w") if output is not None else contextlib.nullcontext(subprocess.PIPE) as stdout:
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace, *command],
+                env=env,
+                cwd=self.folder,
+                start_new_session=True,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                text=True,
+                **options,
+            )
         self.started.append(process)
         return process
 
