@@ -14,7 +14,7 @@ from jsonargparse.typing import import_object
 from flair_fabric.plugins.rank_zero import GlobalZeroPlugin
 from flair_fabric.shell.errors import ConfigError
 from flair_fabric.shell.signatures import own_parameters
-from flair_fabric.storage import is_url, read_text
+from flair_fabric.storage import is_url, read_text, storage_error
 
 CONFIG_FILE = "config.yaml"
 SECRET_KEY = "storage_options"
@@ -116,6 +116,9 @@ def check_resume(base_path: str | Path, resolved: str, storage_options: dict[str
         text = read_text(file, storage_options)
     except FileNotFoundError:
         return
+    except Exception as error:  # the store's own errors (no credentials, denied) as one line naming the file
+        unreadable = storage_error(str(file), "trainer.base_path", error, storage_options)
+        raise ConfigError(f"trainer.resume_from: {unreadable}") from None
     old = flattened(yaml.safe_load(text) or {})
     new = flattened(yaml.safe_load(resolved) or {})
     changed = [key for key in changed_keys(old, new) if key not in MAY_CHANGE_ON_RESUME]
