@@ -14,18 +14,6 @@ os.environ.pop("LOCAL_RANK", None)
 
 from .support import ANNEALED, GROUPED_BY_2, UNION, RunCrashed, RunHung, run_script, write_config
 
-LONGEST_FIRST = (
-    "tests/elastic/test_ray_train.py",
-    "tests/state/test_preemption.py",
-    "tests/storage/test_elastic_torchrun.py",
-    "tests/hosts/test_hosts.py",
-    "tests/storage/test_hosts_and_a_bucket.py",
-    "tests/training/test_global_batch.py",
-    "tests/launch/test_transport.py",
-)
-"""The modules with the longest tests (minutes of several processes, waits for engines and timeouts), started first so
-that none of them is left to the end of ``make test`` while the other workers stand idle (docs/testing.md)."""
-
 
 def pytest_configure(config: pytest.Config) -> None:
     """``make test`` runs the tests in 3 pytest-xdist workers on 2 cores: each computes on one CPU thread, as torch's
@@ -110,17 +98,13 @@ COUNTED_KINDS = ("assertion", "expected error")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests ``FLAIR_FABRIC_TESTS_FIRST`` names first; then the modules of :data:`LONGEST_FIRST` (in that order);
-    the rest in collection order. A module's tests stay together (its module-scoped fixtures are made once); every
-    xdist worker sorts alike."""
     first = [prefix for prefix in os.environ.get("FLAIR_FABRIC_TESTS_FIRST", "").split(",") if prefix]
-
-    def rank(item: pytest.Item) -> tuple[int, int]:
-        named = min((i for i, p in enumerate(first) if item.nodeid.startswith(p)), default=len(first))
-        path = item.nodeid.split("::", 1)[0]
-        return named, LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the rest keep their order
+    if first:
+        rank = {
+            id(item): min((i for i, p in enumerate(first) if item.nodeid.startswith(p)), default=len(first))
+            for item in items
+        }
+        items.sort(key=lambda item: rank[id(item)])  # stable: the rest keep their order
 
 
 def raised_in_test_code(excinfo: pytest.ExceptionInfo) -> bool:

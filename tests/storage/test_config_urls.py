@@ -162,7 +162,8 @@ trainer:
     local = MappedCorpus.from_column_files(tmp_path / "ner", {0: "text", 1: "ner"}, column_delimiter="\t")
     assert isinstance(made, MappedCorpus)
     assert [len(made.train), len(made.dev), len(made.test)] == [len(local.train), len(local.dev), len(local.test)]
-    assert [made.train[i].to_tagged_string() for i in range(12)] == [local.train[i].to_tagged_string() for i in range(12)]
+    tagged = [[corpus.train[i].to_tagged_string() for i in range(12)] for corpus in (made, local)]
+    assert tagged[0] == tagged[1]
     missing = _write(tmp_path, text.replace("DATA", "s3://no-such-bucket/ner"), "missing.yaml")
     with pytest.raises(ConfigError) as refused:
         checked_config([str(missing)])
