@@ -164,21 +164,46 @@ def ray_checkpoint_folder() -> Path | None:
     return Path(checkpoint.to_directory())
 
 
+def ray_run() -> str:
+    """The Ray Train run this worker trains, the same on each of its attempts: where Ray keeps it
+    (``RunConfig(storage_path=..., name=...)``, the storage's type and path); ``""`` outside Ray. Ray itself continues
+    a run of the same storage_path and name from the checkpoints it committed."""
+    if ray_train_context() is None:
+        return ""
+    try:
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+        return f"{storage.storage_filesystem.type_name}://{storage.experiment_fs_path}"
+    except Exception:  # a Ray Train without its storage context
+        return ""
+
+
 def resume_under_ray(resume_from: Any, base_path: Path) -> Any:
-    """``resume_from`` for a run in a Ray Train worker where Ray holds a checkpoint: ``None`` (the default: Ray
-    restarted the workers) and ``"auto"`` mean the newest complete checkpoint, Ray's or ``base_path``'s own. Ray
-    commits a reported checkpoint only when its controller has collected the report of every worker: when a worker is
-    lost soon after a save, the newest complete checkpoint is in ``base_path`` and Ray's is an older one. Elsewhere,
-    or for another ``resume_from``: ``resume_from`` as given."""
+    """``resume_from`` for a run in a Ray Train worker: ``None`` (the default: Ray restarted the workers) and
+    ``"auto"`` mean the newest complete checkpoint, Ray's or ``base_path``'s own. Ray commits a reported checkpoint
+    only when its controller has collected the report of every worker: when a worker is lost soon after a save, the
+    newest complete checkpoint is in ``base_path`` and Ray's is an older one, or there is none yet. A restart is
+    recognised by ``base_path``'s newest checkpoint: this Ray run wrote it (:func:`ray_run`). Elsewhere, or for another
+    ``resume_from``: ``resume_from`` as given."""
     if resume_from not in (None, "auto"):
         return resume_from
+    own = newest_checkpoint(base_path)
     reported = ray_checkpoint_folder()
     if reported is None:
-        return resume_from
-    own = newest_checkpoint(base_path)
+        restarted = resume_from is None and own is not None and _written_by(own, ray_run())
+        return "auto" if restarted else resume_from
     if own is not None and _steps(own) >= _steps(reported):
         return "auto"  # base_path's newest (resume_from='auto' finds it)
     return reported
+
+
+def _written_by(folder: Path, run: str) -> bool:
+    """Whether the Ray Train run ``run`` (``""``: none) wrote the checkpoint in ``folder``."""
+    try:
+        return bool(run) and read_progress(folder).ray_run == run
+    except UnsafeFile:
+        return False
 
 
 def _steps(folder: Path) -> int:

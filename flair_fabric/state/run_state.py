@@ -78,6 +78,8 @@ class RunState:
     """Whether the run named ``global_batch_size`` (else it is ``mini_batch_size`` times the processes)."""
     group_by_length_window: int = 0
     """With ``group_by_length``: its window in global batches (0: flair's batches)."""
+    ray_run: str = ""
+    """The Ray Train run that wrote it (where Ray keeps the run), ``""`` outside Ray: a restart by Ray continues it."""
     epoch_end: EpochEnd = EpochEnd.NOTHING
     """What the current epoch's end must do (decided at its last step)."""
     preempted_by: str | None = None

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flair_fabric.distributed.fingerprints import model_fingerprint
+from flair_fabric.launch.ray_train import ray_run
 from flair_fabric.plugins.lightning_loggers import LightningLoggerPlugin
 from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from flair_fabric.state.policy import REQUEUE_EXIT_CODE
@@ -97,6 +98,7 @@ class Checkpointing:
         progress = run.progress
         run.position.at("saving the training state", progress.epoch + (1 if progress.step_in_epoch else 0))
         progress.model_fingerprint = model_fingerprint(run.strategy.caller_model(run.trainer.model))
+        progress.ray_run = ray_run()  # a restart by Ray continues the checkpoints its run wrote
         rank_state = {
             "tracker_runs": [plugin.tracker_runs() for plugin in _logger_plugins(run.trainer)],
             "epoch_start_rng": progress.epoch_start_generators,

@@ -3,6 +3,7 @@ restarted resumes from (the newest complete one, Ray's or base_path's)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -36,8 +37,9 @@ def test_a_restarted_run_resumes_from_the_newest_complete_checkpoint_rays_or_bas
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ray commits a reported checkpoint only when it has every worker's report: a worker lost just after a save
-    leaves Ray's newest one older than base_path's, and the run resumes from base_path's ('auto'). Where base_path has
-    none or an older one (another machine, no shared disk), from Ray's."""
+    leaves Ray's newest one older than base_path's, or none yet, and the run resumes from base_path's ('auto') where
+    the same Ray run wrote it. Where base_path has none or an older one (another machine, no shared disk), from
+    Ray's."""
     ray_jobs.fine_tune(tmp_path / "run", devices=1, keep_checkpoints=3)  # after steps 2, 4 and 6
     steps = complete_checkpoints(tmp_path / "run")
     assert [each.name[-1] for each in steps] == ["2", "4", "6"]
@@ -56,3 +58,9 @@ def test_a_restarted_run_resumes_from_the_newest_complete_checkpoint_rays_or_bas
     assert ray_train.resume_under_ray(steps[0], tmp_path / "run") == steps[0], "a folder given is kept"
     holding(None)
     assert ray_train.resume_under_ray(None, tmp_path / "run") is None, "outside Ray, or Ray holds none"
+    record = steps[0] / "progress.json"  # base_path's newest now: as if a Ray run had written it
+    record.write_text(json.dumps({**json.loads(record.read_text()), "ray_run": "local:///ray/run"}))
+    monkeypatch.setattr(ray_train, "ray_run", lambda: "local:///ray/run")
+    assert ray_train.resume_under_ray(None, tmp_path / "run") == "auto", "Ray restarted the run before it committed"
+    monkeypatch.setattr(ray_train, "ray_run", lambda: "local:///ray/another")
+    assert ray_train.resume_under_ray(None, tmp_path / "run") is None, "another Ray run starts afresh, as asked"
