@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before flair and transformers are imported
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.pop("LOCAL_RANK", None)
+# Ray (tests/elastic) on the loopback address only: else Ray replaces 127.0.0.1 in ray.init's addresses by this
+# machine's address (read when Ray is imported: before any test module imports it)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from .support import ANNEALED, GROUPED_BY_2, UNION, RunCrashed, RunHung, run_script, write_config
 
