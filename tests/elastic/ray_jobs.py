@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import ray.train
 from flair.trainers.plugins import TrainerPlugin
 from ray.train import UserCallback
 
 from flair_fabric import FabricTrainer
+from flair_fabric.plugins.ray_report import CHECKPOINT_SAVED
 from tests.support import small_trec, tiny_text_classifier
 
 TRAIN_SIZE, GLOBAL_BATCH, EPOCHS, CHECKPOINT_EVERY = 24, 8, 2, 2
@@ -54,15 +57,16 @@ def refused(**options: Any) -> str:
 
 
 def train(config: dict) -> dict:
-    """Each bad input is refused in every worker; then the run, global rank 1 lost after step
-    ``config['lose_after']`` of the first attempt; rank 0's answers return."""
-    answers: dict[str, Any] = {
-        "devices": refused(devices=3, accelerator="cpu"),
-        "num_nodes": refused(num_nodes=2, accelerator="cpu"),
-        "resume_from": refused(resume_from=config["foreign_checkpoint"], accelerator="cpu"),
-    }
+    """The run, whose world the test changes 2 -> 1 -> 2 at the plugin's requests (:class:`ChangeTheWorld`); in the
+    last world each bad input is refused in every worker first (once: each start costs seconds). Rank 0's answers
+    return."""
     folder = Path(config["folder"])
-    plugin = LoseRank1Once(config["lose_after"], folder / "lost", folder / "steps-after-restart")
+    answers: dict[str, Any] = {}
+    if (folder / "grow").exists():
+        answers["devices"] = refused(devices=3, accelerator="cpu")
+        answers["num_nodes"] = refused(num_nodes=2, accelerator="cpu")
+        answers["resume_from"] = refused(resume_from=config["foreign_checkpoint"], accelerator="cpu")
+    plugin = ChangeTheWorld(folder, config["shrink_after"], config["grow_after"])
     model, _ = fine_tune(config["base_path"], devices="auto", plugins=[plugin])
     answers["children"] = _children()
     answers["weights"] = weights(model)
@@ -79,26 +83,43 @@ def _children() -> list[str]:
     return found
 
 
-class LoseRank1Once(TrainerPlugin):
-    """Global rank 1 of the first attempt dies after step ``step`` (the process ends at once, as a lost machine);
-    global rank 0 of the attempt that ends writes the steps it ran to ``steps_file``."""
+class ChangeTheWorld(TrainerPlugin):
+    """Global rank 0 writes each step it ran, after Ray's world size, to ``folder/steps`` (``"2 1"``). In a world of
+    2, once the checkpoint after step ``shrink_after`` is complete and before it is reported to Ray, every rank asks
+    the test for a node less (``folder/shrink``) and waits to be lost; in a world of 1, before the step after
+    ``grow_after`` (its checkpoint reported), for a node more (``folder/grow``), and waits for Ray to resize."""
 
-    def __init__(self, step: int, marker: Path, steps_file: Path) -> None:
+    WAIT_S = 120
+
+    def __init__(self, folder: Path, shrink_after: int, grow_after: int) -> None:
         super().__init__()
-        self.step, self.marker, self.steps_file, self.ran = step, marker, steps_file, []
+        self.folder, self.shrink_after, self.grow_after = folder, shrink_after, grow_after
+
+    @staticmethod
+    def world() -> int:
+        return int(ray.train.get_context().get_world_size())
 
     @TrainerPlugin.hook
     def after_training_batch(self, **kw: Any) -> None:
         trainer: Any = self.trainer
-        self.ran.append(trainer.optimizer_steps)
-        if trainer.global_rank == 1 and trainer.optimizer_steps == self.step and not self.marker.exists():
-            self.marker.touch()
-            os._exit(1)
+        if trainer.global_rank == 0:
+            with (self.folder / "steps").open("a", encoding="utf-8") as steps:
+                steps.write(f"{self.world()} {trainer.optimizer_steps}\n")
+
+    @TrainerPlugin.hook(CHECKPOINT_SAVED)
+    def checkpoint_saved(self, step: int, **kw: Any) -> None:
+        if self.world() == 2 and step == self.shrink_after:
+            self._wait("shrink")
 
     @TrainerPlugin.hook
-    def after_training(self, **kw: Any) -> None:
-        if self.trainer.global_rank == 0:  # type: ignore[union-attr]
-            self.steps_file.write_text(" ".join(map(str, self.ran)))
+    def before_training_batch(self, **kw: Any) -> None:
+        if self.world() == 1 and self.trainer.optimizer_steps == self.grow_after + 1:  # type: ignore[union-attr]
+            self._wait("grow")
+
+    def _wait(self, request: str) -> None:
+        (self.folder / request).touch()
+        time.sleep(self.WAIT_S)
+        raise RuntimeError(f"asked the test to {request} the world: Ray did not restart this worker in {self.WAIT_S} s")
 
 
 class ReportsToFile(UserCallback):
