@@ -16,7 +16,8 @@ for MiniLM also:
   LoRA r=8 on query/value (lr 1e-3 and 3e-3; every rate tried is reported).
 
 Run: ``.venv/bin/python benchmarks/peft_adapters.py`` (about 10 minutes on 2 cores); writes
-``benchmarks/results/peft_adapters.json`` and ``.md``; ``--accuracy-only`` runs the accuracy section again.
+``benchmarks/results/peft_adapters.json`` and ``.md``; ``--accuracy-only`` runs the accuracy section again,
+``--scaling-only [conditions]`` the scaling of LoRA and of a full fine-tune (the conditions go into the table).
 """
 
 from __future__ import annotations
@@ -161,18 +162,20 @@ def sizes_and_traffic(name: str, model_path: str, work: Path) -> dict[str, Any]:
     return found
 
 
-def scaling(model_path: str, work: Path, steps: int = 12) -> dict[str, Any]:
-    """Samples per second with LoRA: 2 ranks of 16 data points per step against one process of 16."""
+def scaling(model_path: str, work: Path, steps: int = 36, lora: bool = True) -> dict[str, Any]:
+    """Samples per second with LoRA (or a full fine-tune): 2 ranks of 16 data points per step against one process of
+    16, one CPU thread per process."""
     per_step = 16
+    work.mkdir(parents=True, exist_ok=True)
     found: dict[str, Any] = {}
     for devices in (1, 2, 1, 2):  # alternated: a slow phase of the shared machine hits both
         corpus = TREC(train_size=per_step * devices * steps, dev_size=4, test_size=4)
         clock = work / f"clock-{devices}.json"
         options = {"devices": devices, "strategy": "ddp_fork"} if devices > 1 else {}
-        FabricTrainer(classifier(model_path, corpus, lora=True), corpus).train(
+        FabricTrainer(classifier(model_path, corpus, lora=lora), corpus).train(
             work / f"scaling-{devices}",
             optimizer=torch.optim.AdamW,
-            learning_rate=1e-3,
+            learning_rate=1e-3 if lora else 5e-5,
             global_batch_size=per_step * devices,
             max_epochs=1,
             shuffle=False,
@@ -234,12 +237,19 @@ def markdown(results: dict[str, Any]) -> str:
             f" ({ratio['allreduce_bytes_per_step']:.3%}) | {ratio['final_model']:.3f} |"
         )
     scale, acc = results["scaling"], results["accuracy"]
+    full = results.get("scaling_full")
     rows += [
         "",
-        f"2-rank scaling with LoRA (MiniLM, 16 per rank and step, best of 2 alternated runs each):"
+        f"2-rank scaling with LoRA (MiniLM, 16 per rank and step, one thread per process, best of 2 alternated runs"
+        f" each, {results.get('scaling_conditions', 'on a 2-core machine shared with other work: noisy')}):"
         f" {max(scale['samples_per_second_1']):.1f} samples/s on 1 process,"
-        f" {max(scale['samples_per_second_2']):.1f} on 2: efficiency {scale['efficiency']:.2f}."
-        " Measured on a 2-core machine shared with other work: timings are noisy.",
+        f" {max(scale['samples_per_second_2']):.1f} on 2: efficiency {scale['efficiency']:.3f}"
+        + (
+            f"; a full fine-tune in the same run: {max(full['samples_per_second_1']):.1f} and"
+            f" {max(full['samples_per_second_2']):.1f}, efficiency {full['efficiency']:.3f}."
+            if full
+            else "."
+        ),
         "",
         f"TREC (1200 train, 500 test, 2 epochs, global batch 16, 1 process, flair's fine_tune): full fine-tune"
         f" (lr 5e-5) accuracy {acc['full']['test_accuracy']:.3f}; LoRA "
@@ -256,10 +266,15 @@ def markdown(results: dict[str, Any]) -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
-    if sys.argv[1:] == ["--accuracy-only"]:  # the other sections from the last results file
+    if sys.argv[1:2] in (["--accuracy-only"], ["--scaling-only"]):  # the other sections from the last results file
         results = json.loads((RESULTS / "peft_adapters.json").read_text())
         with tempfile.TemporaryDirectory(prefix="peft-benchmark-") as folder:
-            results["accuracy"] = accuracy(minilm_path(), Path(folder))
+            if sys.argv[1] == "--accuracy-only":
+                results["accuracy"] = accuracy(minilm_path(), Path(folder))
+            else:  # LoRA and a full fine-tune, one after the other; the conditions as given (e.g. "a quiet machine")
+                results["scaling"] = scaling(minilm_path(), Path(folder) / "lora")
+                results["scaling_full"] = scaling(minilm_path(), Path(folder) / "full", lora=False)
+                results["scaling_conditions"] = " ".join(sys.argv[2:]) or "conditions not recorded"
         (RESULTS / "peft_adapters.json").write_text(json.dumps(results, indent=2))
         (RESULTS / "peft_adapters.md").write_text(markdown(results))
         print(markdown(results))
