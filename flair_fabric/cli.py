@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -94,10 +96,10 @@ def parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("evaluate", help="score a trained model on a labelled CoNLL file")
     evaluate.add_argument("--model", required=True, help="a model file saved by flair")
-    evaluate.add_argument("--input", required=True, help="CoNLL columns: token, then the gold labels")
+    evaluate.add_argument("--input", required=True, help="CoNLL columns: token, then the gold labels (a path or a URL)")
     evaluate.add_argument("--gold-label-type", required=True, help="the label type to score, e.g. ner")
     evaluate.add_argument("--column", type=int, default=1, help="the column of the gold labels (default: 1)")
-    evaluate.add_argument("--output", default=None, help="flair's prediction file (optional)")
+    evaluate.add_argument("--output", default=None, help="flair's prediction file (optional; a path or a URL)")
     evaluate.add_argument("--json", action="store_true", help="print the scores as JSON")
     evaluate.add_argument(
         "--loss",
@@ -124,6 +126,38 @@ def _checked_urls(given: str, output: str) -> bool:
     return False
 
 
+def _evaluate(model: Any, args: argparse.Namespace, launch: dict[str, Any]) -> Any:
+    """``flair_fabric.evaluate`` on ``--input``'s CoNLL file (a URL is read from a private local copy); a URL
+    ``--output`` is written locally and uploaded in one piece once the evaluation has ended, by the process that
+    wrote it (with the script relaunch every rank runs this, and global rank 0 writes)."""
+    from flair.datasets import ColumnDataset
+
+    import flair_fabric
+    from flair_fabric.storage import is_url, local_file, write_atomically
+
+    with local_file(args.input) as input_path, tempfile.TemporaryDirectory(prefix="flair-fabric-eval-") as folder:
+        data = ColumnDataset(input_path, {0: "text", args.column: args.gold_label_type})
+        if len(data) == 0:
+            raise SystemExit(f"--input {args.input}: no sentences in it.")
+        out_path = Path(folder) / "predictions.txt" if is_url(args.output) else args.output
+        result = flair_fabric.evaluate(
+            model,
+            data,
+            args.gold_label_type,
+            out_path=out_path,
+            mini_batch_size=args.mini_batch_size,
+            return_loss=args.loss,
+            **launch,
+        )
+        if out_path != args.output and Path(out_path).is_file():
+
+            def copy_into(temporary: str) -> None:
+                shutil.copyfile(out_path, temporary)
+
+            write_atomically(args.output, copy_into)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -136,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return cache(words[1:])
     args = parser().parse_args(words)
-    url_input = args.command == "predict" and _checked_urls(args.input, args.output)  # before the model loads
+    url_input = _checked_urls(args.input, args.output)  # before the model loads
     if not url_input and not Path(args.input).is_file():
         raise SystemExit(f"--input {args.input}: no such file.")
     import flair_fabric  # here, after the arguments are known to be usable: torch, flair and Lightning load now
@@ -163,20 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for line, problem in summary.skipped:
                 print(f"{args.input}:{line}: skipped ({problem})", file=sys.stderr)
             return 0
-        from flair.datasets import ColumnDataset
-
-        data = ColumnDataset(Path(args.input), {0: "text", args.column: args.gold_label_type})
-        if len(data) == 0:
-            raise SystemExit(f"--input {args.input}: no sentences in it.")
-        result = flair_fabric.evaluate(
-            model,
-            data,
-            args.gold_label_type,
-            out_path=args.output,
-            mini_batch_size=args.mini_batch_size,
-            return_loss=args.loss,
-            **launch,
-        )
+        result = _evaluate(model, args, launch)
     except ValueError as error:
         raise SystemExit(str(error)) from None
     scores = {

@@ -3,6 +3,7 @@ loopback, reached through s3fs): the output equals, byte for byte, that of the s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,16 +11,19 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from flair.datasets import ColumnCorpus
 from flair.models import TextClassifier
 from flair.tokenization import Tokenizer
 
 import flair_fabric
 
 from ..storage_server import BUCKET, SECRET, S3Server
-from ..support import REPO, tiny_classifier_file
+from ..support import REPO, small_wnut, tiny_classifier_file, tiny_sequence_tagger
 
 ONE = {"devices": 1, "accelerator": "cpu"}
 TWO_FORKED = {"devices": 2, "accelerator": "cpu", "strategy": "ddp_fork"}
+ONE_ON_THE_COMMAND_LINE = ["--devices", "1", "--accelerator", "cpu"]
+BUCKET_OUT = f"s3://{BUCKET}/eval/results/pred.txt"  # a prefix that does not exist yet
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +122,35 @@ def test_the_command_line_predicts_with_a_model_from_the_bucket_as_from_and_to_l
     flair_fabric.predict(model, str(tmp_path / "in.txt"), out_path=tmp_path / "out.jsonl", tokenizer=True, **ONE)
     outputs = [(tmp_path / "out.jsonl").read_bytes(), fsspec.filesystem("s3").cat(target)]
     assert outputs[0] == outputs[1] and outputs[0].count(b"\n") == 25
+
+
+def test_the_command_line_evaluates_a_file_in_the_bucket_and_writes_its_output_there(
+    s3: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``evaluate --input s3://... --output s3://...`` scores what the same command scores on local files (flair's
+    own ``evaluate`` is the reference) and puts the same prediction file into the bucket, nothing on local disk."""
+    from flair.datasets import ColumnDataset
+    from flair.models import SequenceTagger
+
+    from flair_fabric.cli import main
+
+    small_wnut(tmp_path / "wnut", train_size=20, dev_size=2, test_size=2)
+    corpus = ColumnCorpus(tmp_path / "wnut", {0: "text", 1: "ner"}, column_delimiter="\t")
+    tiny_sequence_tagger(corpus).save(tmp_path / "tagger.pt")
+    gold = tmp_path / "wnut" / "train.txt"
+    fsspec.filesystem("s3").put_file(str(gold), f"s3://{BUCKET}/eval/gold.txt")
+    monkeypatch.chdir(tmp_path)  # where a URL taken for a local path would land
+    common = ["--model", str(tmp_path / "tagger.pt"), "--gold-label-type", "ner", "--json", *ONE_ON_THE_COMMAND_LINE]
+    scores = []
+    for source, target in ((str(gold), str(tmp_path / "pred.txt")), (f"s3://{BUCKET}/eval/gold.txt", BUCKET_OUT)):
+        try:
+            assert main(["evaluate", "--input", source, "--output", target, *common]) == 0
+        except (OSError, SystemExit) as error:
+            pytest.fail(f"evaluate --input {source} --output {target} failed: {error!r}")
+        scores.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["main_score"])
+    reference = SequenceTagger.load(tmp_path / "tagger.pt").evaluate(ColumnDataset(gold, {0: "text", 1: "ner"}), "ner")
+    assert scores == [pytest.approx(reference.main_score)] * 2
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["pred.txt", "tagger.pt", "wnut"], "nothing else here"
+    assert fsspec.filesystem("s3").exists(BUCKET_OUT), "the prediction file reached the bucket"
+    assert fsspec.filesystem("s3").cat(BUCKET_OUT) == (tmp_path / "pred.txt").read_bytes()
+    assert (tmp_path / "pred.txt").stat().st_size > 0
