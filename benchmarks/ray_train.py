@@ -174,8 +174,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`benchmarks/ray_train.py{' --quick' if results['quick'] else ''}`, {results['finished_utc']}; ray"
         f" {results['ray']}; {results['machine']['cpu_count']} CPUs, no GPU; load average (1/5/15 min)"
-        f" {results['load_average_start']} at start, {results['load_average_end']} at end. The machine was shared"
-        " with other work (other test suites running): the figures are of a loaded machine.",
+        f" {results['load_average_start']} at start, {results['load_average_end']} at end"
+        + (
+            ": nothing else ran on the machine."
+            if results["load_average_start"][0] < 1.0
+            else ". The machine was shared with other work: the figures are of a loaded machine."
+        ),
         "",
         f"2 CPU processes, one-hot + GRU TREC classifier, {results['train_size']} questions, global batch 16,"
         " checkpoints every 10 steps, 2 epochs.",
